@@ -1,0 +1,1 @@
+"""One file per layer: its weights by checkpoint name, its numpy reference (and later its GPU launches)."""

@@ -1,0 +1,14 @@
+"""The gated GELU MLP (dense "shared expert" of each layer, and the vision tower's MLP)."""
+import numpy as np
+
+_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def gelu_tanh(x):
+    """GELU, tanh approximation (gelu_pytorch_tanh), float32."""
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(_C * (x + np.float32(0.044715) * x * x * x)))
+
+
+def gated_mlp(x, gate, up, down):
+    """x (T, H); gate, up (I, H); down (H, I), all float32 -> (T, H)."""
+    return (gelu_tanh(x @ gate.T) * (x @ up.T)) @ down.T
