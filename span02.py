@@ -1,0 +1,191 @@
+"""span02: a decision server for span-02 (Gemma-4 26B-A4B fine-tune). The command line.
+
+    python span02.py [serve] [--bind HOST:PORT] [--model DIR] ...   serve the decision API (default command)
+    python span02.py make-demo DIR                                   write the built-in tiny demo model
+    python span02.py calibrate [--model DIR] [--out FILE]            measure decode cost -> think_cost.json
+
+Also a Python entry for tools and tests: `span02.load(model_dir, device="cpu")` returns a model with
+`.logits(token_ids) -> float32 [T, vocab]` (post-softcap logits of every position of one sequence).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from config import ConfigError, EngineConfig, PolicyConfig
+
+log = logging.getLogger("span02")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+
+
+def load(model_dir=None, device="cpu", **kw):
+    """The model of `model_dir` (default: the built-in demo) on `device`; see model.load."""
+    import model
+    return model.load(model_dir or DEMO_DIR, device=device, **kw)
+
+
+# --- arguments ---------------------------------------------------------------------------------------
+
+def _bind(s):
+    host, sep, port = s.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"--bind wants HOST:PORT, got {s!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def _serve_args(p):
+    d, dp = EngineConfig(model_dir=""), PolicyConfig()
+    a = p.add_argument
+    a("--bind", type=_bind, default=("127.0.0.1", 8000), metavar="HOST:PORT",
+      help="address to listen on (default 127.0.0.1:8000; 0.0.0.0:8000 for every interface)")
+    a("--model", default=None, metavar="DIR", help="model directory (default: the built-in tiny demo model)")
+    a("--device", default=d.device, choices=["auto", "cpu", "gpu"],
+      help="backend: gpu when there is one under auto (default %(default)s)")
+    a("--quantize", action="store_true", help="quantize a bf16 checkpoint at load: NVFP4 experts, FP8 dense layers")
+    a("--max-len", type=int, default=d.max_len, help="longest sequence, stem + thought, in tokens (default %(default)s)")
+    a("--max-batch", type=int, default=d.max_batch, help="most sequences in one engine step (default %(default)s)")
+    a("--kv-tokens", type=int, default=d.kv_tokens,
+      help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: 65536)")
+    a("--tau", type=float, default=dp.tau, help="gate: answer at once when max probability >= tau (default %(default)s)")
+    a("--cap", type=int, default=dp.cap, help="most thought tokens per question (default %(default)s)")
+    a("--think-ms", type=float, default=dp.think_ms,
+      help="thought budget in modelled ms, through --think-cost (default 0: off)")
+    a("--think-cost", default=None, metavar="FILE", help="cost table made by `span02.py calibrate`")
+    a("--budget-ms", type=float, default=dp.budget_ms, help="wall-clock thought budget per request (default 0: off)")
+    a("--deadline-ms", type=float, default=d.deadline_ms, help="default request deadline (default 0: none)")
+    a("--blend-closed", type=float, default=dp.blend_closed,
+      help="weight of the second readout when the thought closed itself (default %(default)s)")
+    a("--blend-truncated", type=float, default=dp.blend_truncated,
+      help="weight of the second readout when the thought was cut (default %(default)s)")
+    a("--image-soft-tokens", type=int, default=d.image_soft_tokens, choices=[70, 140, 280, 560, 1120],
+      help="soft tokens per image (default %(default)s)")
+    a("--serial", action="store_true", help="one request at a time, in arrival order")
+    a("--no-prefix-cache", action="store_true", help="compute every prompt from scratch")
+    a("--spec-draft", default=None, metavar="DIR", help="draft model for speculative decoding (not used yet)")
+    a("--spec-max-branches", type=int, default=d.spec_max_branches, help="speculation branches (default %(default)s)")
+    a("--max-queue", type=int, default=d.max_queue, help="most waiting requests before 429 (default %(default)s)")
+    a("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (default %(default)s)")
+    a("--max-decoded-bytes", type=int, default=d.max_decoded_bytes,
+      help="largest body after gzip/zstd decoding (default %(default)s)")
+    a("--max-image-pixels", type=int, default=d.max_image_pixels,
+      help="largest image, width x height (default %(default)s)")
+    a("--max-connections", type=int, default=d.max_connections,
+      help="most open client connections (default %(default)s)")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default %(default)s)")
+
+
+def engine_config(ns) -> EngineConfig:
+    cost = None
+    if ns.think_cost:
+        try:
+            with open(ns.think_cost) as f:
+                cost = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
+    if ns.spec_draft and not os.path.isdir(ns.spec_draft):
+        raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
+    return EngineConfig(
+        model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
+        kv_tokens=ns.kv_tokens or 65536, quantize=ns.quantize,
+        policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
+                            blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),
+        think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
+        prefix_cache=not ns.no_prefix_cache, spec_draft=ns.spec_draft, spec_max_branches=ns.spec_max_branches,
+        max_queue=ns.max_queue, max_body_bytes=ns.max_body_bytes, max_decoded_bytes=ns.max_decoded_bytes,
+        max_image_pixels=ns.max_image_pixels, max_connections=ns.max_connections)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="span02.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="{serve,make-demo,calibrate}")
+    _serve_args(sub.add_parser("serve", help="serve the decision API (the default command)"))
+    m = sub.add_parser("make-demo", help="write the built-in tiny demo model to DIR")
+    m.add_argument("dir", help="output directory")
+    c = sub.add_parser("calibrate", help="measure decode step cost per batch size and context; write think_cost.json")
+    _serve_args(c)
+    c.add_argument("--out", default="think_cost.json", help="output file (default %(default)s)")
+    return p
+
+
+# --- commands ----------------------------------------------------------------------------------------
+
+def _load_engine_parts(cfg: EngineConfig):
+    import model
+    from prompt import Prompter
+    t0 = time.monotonic()
+    log.info("loading %s on %s", cfg.model_dir, cfg.device)
+    m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize)
+    log.info("loaded in %.1f s: %d layers, %d KV blocks", time.monotonic() - t0, m.cfg.text.n_layers, m.num_blocks)
+    return m, Prompter(cfg.model_dir)
+
+
+def cmd_serve(ns):
+    import engine as engine_mod
+    import wire
+    cfg = engine_config(ns)
+    name = "span02-demo" if cfg.model_dir == DEMO_DIR else os.path.basename(os.path.normpath(cfg.model_dir))
+    server = wire.Server(None, cfg, model_name=name, vision=True)
+    server.bind(*ns.bind)              # bound first: /health says "loading" until the model is in
+    log.info("listening on http://%s:%d", ns.bind[0], server.port)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: finishing requests in flight, then exiting", signum)
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    serving = threading.Thread(target=server.run, name="wire", daemon=True)
+    serving.start()
+    m, prompter = _load_engine_parts(cfg)
+    eng = engine_mod.Engine(m, prompter, cfg)
+    eng.start()
+    if not stop.is_set():
+        server.set_engine(eng)
+        log.info("ready: model %s on %s", name, m.device)
+    serving.join()
+    eng.stop(drain_timeout=10.0)
+    return 0
+
+
+def cmd_make_demo(ns):
+    from demo import make_demo
+    print(make_demo(ns.dir))
+    return 0
+
+
+def cmd_calibrate(ns):
+    import engine as engine_mod
+    cfg = engine_config(ns)
+    m, _ = _load_engine_parts(cfg)
+    table = engine_mod.calibrate(m, cfg)
+    with open(ns.out, "w") as f:
+        json.dump(table, f, indent=2)
+    print(f"wrote {ns.out}")
+    return 0
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "make-demo", "calibrate", "-h", "--help"):
+        argv.insert(0, "serve")
+    ns = parser().parse_args(argv)
+    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return {"serve": cmd_serve, "make-demo": cmd_make_demo, "calibrate": cmd_calibrate}[ns.command](ns)
+    except ConfigError as e:
+        print(f"span02: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
