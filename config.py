@@ -153,9 +153,11 @@ def text_config(d: dict) -> TextConfig:
 def vision_config(d: dict) -> VisionConfig:
     if d.get("use_clipped_linears"):
         raise ConfigError("vision use_clipped_linears=true is not supported")
+    if d.get("num_key_value_heads", d["num_attention_heads"]) != d["num_attention_heads"]:
+        raise ConfigError("vision towers with grouped kv heads are not supported")
     return VisionConfig(
         hidden=d["hidden_size"], intermediate=d["intermediate_size"], layers=d["num_hidden_layers"],
-        heads=d["num_attention_heads"], head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        heads=d["num_attention_heads"], head_dim=d.get("head_dim", 64),   # transformers' class default
         patch=d.get("patch_size", 16), pool=d.get("pooling_kernel_size", 3),
         pos_table=d.get("position_embedding_size", 10240),
         rope_theta=float((d.get("rope_parameters") or {}).get("rope_theta", 100.0)),
