@@ -23,6 +23,7 @@ from layers import attention, embed, moe
 from layers.attention import BLOCK
 from layers.mlp import gated_mlp
 from layers.norm import rmsnorm
+from layers.vision_tower import encode_image, load_vision
 
 
 # --- the step interface (shared by both backends, the scheduler and the tests) ------------------------
@@ -103,7 +104,13 @@ class Model:
         # per layer: K and V pools (blocks, 16, Hkv, D) float32
         self.k_pool = [np.zeros((self.num_blocks, BLOCK, g.kv_heads, g.head_dim), np.float32) for g in t.layers]
         self.v_pool = [np.zeros_like(k) for k in self.k_pool]
-        self.vision = None
+        self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
+
+    def encode_image(self, pre) -> np.ndarray:
+        """A preprocessed image (vision.Preprocessed) -> its (N, H) float32 soft tokens."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower")
+        return encode_image(self.vision, self.cfg.vision, pre.pixel_values, pre.position_ids, pre.num_soft_tokens)
 
     # The step: every sequence's new rows go through each layer together; attention is per sequence.
     def step(self, seqs: list[SeqStep]) -> list[SeqOut]:

@@ -709,6 +709,50 @@ def test_help_works():
     assert r.returncode == 2 and "max-len" in r.stderr
 
 
+def test_multimodal_logits_match_transformers(tmp_path):
+    """One and two images with text around them: soft tokens replace the <|image|> rows, and on sliding layers
+    each image block attends bidirectionally (transformers given mm_token_type_ids)."""
+    from PIL import Image
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+    from model import ImageRows
+    import vision
+    text = Gemma4TextConfig(hidden_size_per_layer_input=0, use_bidirectional_attention="vision",
+                            **dict(HF_CONFIGS[0], sliding_window=24))
+    vcfg = Gemma4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=16, position_embedding_size=64, standardize=True)
+    cfg = Gemma4Config(text_config=text.to_dict(), vision_config=vcfg.to_dict(), audio_config=None,
+                       image_token_id=300, boi_token_id=301, eoi_token_id=302)
+    hf = Gemma4ForConditionalGeneration(cfg).eval()
+    _randomize(hf, seed=5)
+    hf.save_pretrained(tmp_path)
+    hf.set_experts_implementation("eager")   # grouped_mm has no float64
+    hf.double()       # the oracle in float64: fp32 transformers alone drifts ~1e-4 over a 141-token image prompt
+    ours = span02.load(str(tmp_path))
+    rng = np.random.default_rng(5)
+    pres = [vision.preprocess(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), 70) for h, w in ((100, 160), (90, 60))]
+    for n_images in (1, 2):
+        ids, rows, pixel, pos = list(rng.integers(3, 300, 7)), [], [], []
+        for p in pres[:n_images]:
+            ids.append(301)
+            rows.append(ImageRows(len(ids), ours.encode_image(p)))
+            ids += [300] * p.num_soft_tokens + [302] + list(rng.integers(3, 300, 5))
+            pixel.append(p.pixel_values)
+            pos.append(p.position_ids)
+        ids = np.array(ids)
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.tensor(ids)[None], pixel_values=torch.tensor(np.stack(pixel)).double(),
+                        image_position_ids=torch.tensor(np.stack(pos)),
+                        mm_token_type_ids=torch.tensor((ids == 300).astype(np.int64))[None]).logits[0].numpy()
+        mine = ours.logits(ids, images=tuple(rows))
+        err = np.abs(mine - theirs).max() / np.abs(theirs).max()
+        # the bidirectional image blocks matter: the same rows with a purely causal mask are far off
+        if n_images == 2:
+            causal = ours.logits(ids, images=tuple(ImageRows(r.start + 10 ** 6, r.embeds) for r in rows)[:0])
+            assert np.abs(causal - theirs).max() / np.abs(theirs).max() > 1e-2
+        print(f"{n_images} image(s), {len(ids)} tokens: max rel error {err:.2e}")
+        assert err < 1e-4
+
+
 # ====================================================================================================
 # prompt
 # ====================================================================================================
