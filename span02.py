@@ -77,6 +77,10 @@ def _serve_args(p):
       help="largest image, width x height (default %(default)s)")
     a("--max-connections", type=int, default=d.max_connections,
       help="most open client connections (default %(default)s)")
+    a("--max-questions", type=int, default=d.max_questions, help="most questions per request (default %(default)s)")
+    a("--max-images", type=int, default=d.max_images, help="most images per request (default %(default)s)")
+    a("--read-timeout", type=float, default=d.read_timeout_s,
+      help="seconds a client may take to send a request, or stay idle between requests (default %(default)s)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default %(default)s)")
 
 
@@ -98,7 +102,8 @@ def engine_config(ns) -> EngineConfig:
         think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
         prefix_cache=not ns.no_prefix_cache, spec_draft=ns.spec_draft, spec_max_branches=ns.spec_max_branches,
         max_queue=ns.max_queue, max_body_bytes=ns.max_body_bytes, max_decoded_bytes=ns.max_decoded_bytes,
-        max_image_pixels=ns.max_image_pixels, max_connections=ns.max_connections)
+        max_image_pixels=ns.max_image_pixels, max_connections=ns.max_connections, max_questions=ns.max_questions,
+        max_images=ns.max_images, read_timeout_s=ns.read_timeout)
 
 
 def parser():
@@ -129,9 +134,11 @@ def _load_engine_parts(cfg: EngineConfig):
 def cmd_serve(ns):
     import engine as engine_mod
     import wire
+    from config import load_model_config
     cfg = engine_config(ns)
+    has_vision = load_model_config(cfg.model_dir).vision is not None     # config.json only: fast
     name = "span02-demo" if cfg.model_dir == DEMO_DIR else os.path.basename(os.path.normpath(cfg.model_dir))
-    server = wire.Server(None, cfg, model_name=name, vision=True)
+    server = wire.Server(None, cfg, model_name=name, vision=has_vision)
     server.bind(*ns.bind)              # bound first: /health says "loading" until the model is in
     log.info("listening on http://%s:%d", ns.bind[0], server.port)
     stop = threading.Event()
@@ -146,7 +153,8 @@ def cmd_serve(ns):
     serving = threading.Thread(target=server.run, name="wire", daemon=True)
     serving.start()
     m, prompter = _load_engine_parts(cfg)
-    eng = engine_mod.Engine(m, prompter, cfg)
+    m.name = name
+    eng = engine_mod.Engine(m, prompter, cfg, encode_image=m.encode_image if m.vision else None)
     eng.start()
     if not stop.is_set():
         server.set_engine(eng)

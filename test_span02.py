@@ -1320,3 +1320,1369 @@ def test_padding_rows_are_irrelevant(tiny_vision):
     np.testing.assert_array_equal(full, vision_tower.encode_image(w, vcfg, pv[keep], pos[keep], n))
     with pytest.raises(ValueError):
         vision_tower.encode_image(w, vcfg, pv, pos, n + 1)
+
+
+# ====================================================================================================
+# engine
+# ====================================================================================================
+"""Engine, scheduler and policy on a tiny random model (CPU, seconds): allocator and prefix-cache
+invariants, the policy's stops and blends, determinism across serving modes, admission and errors."""
+import math
+import sys
+import tempfile
+import threading
+import time
+
+import zlib
+
+import numpy as np
+import pytest
+
+import config
+import model as model_mod
+import prompt
+from config import EngineConfig, PolicyConfig
+from engine import Engine, EngineError, calibrate
+from policy import Question, Request, check_cost_table, r9
+from scheduler import BLOCK, Scheduler, Seq, TooLarge
+
+# --- a tiny random model ------------------------------------------------------------------------------
+
+ENGINE_TEXT = dict(vocab_size=prompt.DEMO_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"], head_dim=16,
+            num_key_value_heads=1, num_attention_heads=2, sliding_window=8, rms_norm_eps=1e-6,
+            final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=16, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+
+
+class RandomCheckpoint:
+    """Checkpoint-shaped source of seeded random float32 weights, keyed by tensor name."""
+    text_prefix = "model.language_model."
+
+    def __init__(self, seed=0):
+        self.seed = seed
+
+    def _rng(self, name):
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def tensor(self, name, shape):
+        if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+            return np.ones(shape, np.float32)
+        if name.endswith("norm.weight"):
+            return (1 + 0.1 * self._rng(name).standard_normal(shape)).astype(np.float32)
+        return (0.3 * self._rng(name).standard_normal(shape)).astype(np.float32)   # embeddings: mild logits
+
+    def linear(self, module, shape):
+        return (self._rng(module).standard_normal(shape) / math.sqrt(shape[1])).astype(np.float32)
+
+    def experts(self, prefix, E, H, I):
+        r = self._rng(prefix + "experts")
+        return ((r.standard_normal((E, 2 * I, H)) / math.sqrt(H)).astype(np.float32),
+                (r.standard_normal((E, H, I)) / math.sqrt(I)).astype(np.float32))
+
+    def dtype(self, name):
+        return "F32"
+
+
+def random_model(kv_tokens=4096, seed=0):
+    cfg = config.model_config(dict(ENGINE_TEXT))
+    return model_mod.Model(cfg, RandomCheckpoint(seed), kv_tokens=kv_tokens, name="tiny")
+
+
+@pytest.fixture(scope="module")
+def demo_prompter():
+    d = tempfile.mkdtemp()
+    prompt.make_demo_tokenizer(d)
+    return prompt.Prompter(d)
+
+
+ENGINE_CONTEXT = ("The light is red and the street is busy. People wait at the corner with their dogs, and a "
+                  "blue bus stops to let some of them in. It has rained all day and the water runs in the gutter.")
+
+
+def make_request(i, n_q=2, thought="auto", deadline=None, arrival=None, return_thought=True,
+                 context=ENGINE_CONTEXT, **pol):
+    qs = [Question(f"q{j}", f"Question {i}.{j}: what colour is the light?",
+                   ["red", "green", "blue", "yes"][: 2 + (i + j) % 3]) for j in range(n_q)]
+    return Request(f"r{i}", qs, PolicyConfig(**pol), system="Be careful.", context=context, thought=thought,
+                   return_thought=return_thought, deadline=deadline,
+                   arrival=time.monotonic() if arrival is None else arrival)
+
+
+def serve_all(prompter, reqs, model=None, encode_image=None, **cfg):
+    """Submit every request before the engine starts (so admission sees them all), return results."""
+    cfg = {"max_len": 512, "max_batch": 16, "prefill_chunk": 32, **cfg}
+    eng = Engine(model or random_model(), prompter, EngineConfig(model_dir="", **cfg), encode_image=encode_image)
+    futs = [eng.submit(r) for r in reqs]
+    eng.start()
+    try:
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout=60))
+            except EngineError as e:
+                out.append(e)
+        return out
+    finally:
+        eng.stop(1.0)
+
+
+class ModelProxy:
+    """A model proxy: counts rows, may force <channel|> after k thought tokens, may raise."""
+
+    def __init__(self, inner, close=None, after=None, stem_len=None):
+        self.inner, self.close, self.after, self.stem_len = inner, close, after, stem_len
+        self.rows, self.calls, self.boom = 0, [], False
+        self.hold = threading.Event()                 # clear() parks the engine thread inside step
+        self.hold.set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, seqs):
+        self.hold.wait()
+        if self.boom:
+            raise RuntimeError("boom")
+        self.rows += sum(len(s.tokens) for s in seqs)
+        self.calls.append(seqs)
+        outs = self.inner.step(seqs)
+        if self.after is None:
+            return outs
+        fix = []
+        for s, o in zip(seqs, outs):   # the row at position stem_len + after - 1 predicts <channel|>
+            last = s.start + len(s.tokens) - 1
+            if s.argmax and last >= self.stem_len + self.after - 1:
+                o = model_mod.SeqOut(argmax=self.close)
+            fix.append(o)
+        return fix
+
+
+# --- scheduler ------------------------------------------------------------------------------------
+
+def drive_scheduler(sched, on_final):
+    """Run the scheduler without a model until every seq is done; on_final(seq) -> extend args or None."""
+    for _ in range(10_000):
+        works = sched.schedule()
+        if not works:
+            return
+        sched.complete(works)
+        check_pool(sched)
+        for w in works:
+            if w.final:
+                nxt = on_final(w.seq)
+                sched.finish(w.seq) if nxt is None else sched.extend(w.seq, *nxt)
+
+
+def check_pool(sched):
+    p = sched.pool
+    held = [b for s in sched.running for b in s.blocks]
+    assert all(p.ref[b] > 0 for b in held)
+    assert not set(held) & set(p.free) and not set(held) & set(p.lru)
+    assert len(set(p.free)) == len(p.free) and not set(p.free) & set(p.lru)
+    for b in range(p.num_blocks):   # refcount = number of running seqs holding it
+        assert p.ref[b] == sum(s.blocks.count(b) for s in sched.running)
+    assert p.reserved == sum(s.reserve for s in sched.running) and p.available() >= 0
+
+
+def test_prefix_cache_shares_and_evicts_lru():
+    sched = Scheduler(num_blocks=12, max_batch=4, prefill_chunk=32)
+    shared = list(range(100, 140))                       # 40 tokens: 2 full shareable blocks
+    a, b = Seq(shared + [1, 2], 50), Seq(shared + [3, 4, 5], 50)
+    sched.add([a, b], tag="g")
+    drive_scheduler(sched, lambda s: None)              # prefill, then done
+    assert a.cached == 0 and b.cached == 32              # b waited for a's blocks, then shared them
+    assert len(sched.pool.lru) == 2 and sched.pool.used() == 0
+    c = Seq(shared + [9], 50)
+    sched.add([c], tag="h")
+    sched.schedule()
+    assert c.cached == 32 and sched.pool.ref[c.blocks[0]] == 1 and not sched.pool.lru
+    check_pool(sched)
+    big = Seq(list(range(300, 300 + 120)), 121)          # needs 8 blocks: 12 - 4 held by c -> fits
+    sched.add([big], tag="i")
+    sched.schedule()
+    assert big.running and set(big.blocks).isdisjoint(c.blocks)   # never takes an in-use block
+    check_pool(sched)
+    more = Seq(list(range(500, 520)), 40)                # 3 blocks: none left until one finishes
+    sched.add([more], tag="j")
+    sched.schedule()
+    assert not more.running
+    with pytest.raises(TooLarge):
+        sched.add([Seq([1] * 200, 201)], tag="k")
+
+
+def test_lru_evicts_leaves_first_never_blocks_in_use():
+    sched = Scheduler(num_blocks=4, max_batch=4, prefill_chunk=64)
+    x = Seq(list(range(10, 59)), 49)                     # 3 full blocks + 1 token: the whole pool
+    sched.add([x], tag=1)
+    drive_scheduler(sched, lambda s: None)
+    b0, b1, b2 = (sched.pool.trie[k] for k in sorted(sched.pool.trie, key=lambda k: k[1]))
+    assert list(sched.pool.lru) == [b2, b1, b0]          # released leaf first: leaves are evicted first
+    y = Seq(list(range(10, 26)) + [7] * 30, 46)          # shares block 0, needs 2 more: evicts one
+    sched.add([y], tag=2)
+    sched.schedule()
+    assert y.cached == 16 and y.blocks[0] == b0 and list(sched.pool.lru) == [b1]
+    assert b2 not in sched.pool.key and sched.pool.key[b1][0] == b0
+    check_pool(sched)
+    z = Seq(list(range(200, 210)), 16)                   # needs the last cached block: b1 goes
+    sched.add([z], tag=3)
+    sched.schedule()
+    assert z.running and not sched.pool.lru and b1 not in sched.pool.key and b0 in sched.pool.key
+    check_pool(sched)
+
+
+def test_serial_and_edf_admission_order():
+    def order(serial):
+        sched = Scheduler(num_blocks=64, max_batch=1, prefill_chunk=64, serial=serial)
+        for tag, dl, arr in (("late", 50.0, 0.0), ("none", None, 1.0), ("soon", 10.0, 2.0), ("soon2", 10.0, 3.0)):
+            sched.add([Seq([5, 6, 7, tag.__hash__() % 100 + 20], 8, tag=tag)], deadline=dl, arrival=arr, tag=tag)
+        seen = []
+        drive_scheduler(sched, lambda s: seen.append(s.tag))
+        return seen
+    assert order(False) == ["soon", "soon2", "late", "none"]
+    assert order(True) == ["late", "none", "soon", "soon2"]
+
+
+def test_chunks_never_split_images():
+    spans, sched = [], Scheduler(num_blocks=64, max_batch=2, prefill_chunk=16)
+    sched.add([Seq(list(range(60)), 61, images=((5, 20, b"x"), (30, 4, b"y")))], tag=0)
+    while (works := sched.schedule()):
+        spans += [(w.start, w.start + w.keep, w.images) for w in works]
+        sched.complete(works)
+        for w in works:
+            sched.finish(w.seq) if w.final else None
+    assert spans == [(0, 5, ()), (5, 25, (0,)), (25, 30, ()), (30, 34, (1,)), (34, 48, ()), (48, 60, ())]
+
+
+# --- policy through the engine ------------------------------------------------------------------
+
+def stages_of(a):
+    return [t["stage"] for t in a["trace"]]
+
+
+def test_tau_zero_stops_at_gate_and_tau_above_one_thinks(demo_prompter):
+    gated, = serve_all(demo_prompter, [make_request(0, n_q=3, tau=0.0)])
+    assert all(a["stop"] == "gate" and a["reasoning_tokens"] == 0 and stages_of(a) == ["readout", "gate"]
+               for a in gated["answers"])
+    p = gated["answers"][0]["probabilities"]
+    assert abs(sum(p) - 1) < 1e-8 and all(x == r9(x) for x in p)
+    thought, = serve_all(demo_prompter, [make_request(0, n_q=3, tau=1.5, cap=5)])
+    for a in thought["answers"]:
+        assert stages_of(a) == ["readout", "gate", "thought", "readout", "blend"]
+        assert a["stop"] in ("cap", "closed") and a["reasoning_tokens"] <= 5
+        assert a["stop"] == "closed" or a["reasoning_tokens"] == 5
+        assert a["index"] == max(range(len(a["probabilities"])), key=lambda i: (a["probabilities"][i], -i))
+    assert thought["usage"]["reasoning_tokens"] == sum(a["reasoning_tokens"] for a in thought["answers"])
+
+
+def test_never_always_and_blend(demo_prompter):
+    never, = serve_all(demo_prompter, [make_request(1, thought="never", tau=2.0)])
+    assert all(a["stop"] == "never" and stages_of(a) == ["readout", "gate"] for a in never["answers"])
+    always, = serve_all(demo_prompter, [make_request(1, thought="always", tau=0.0, cap=3, blend_truncated=0.25)])
+    for a, n in zip(always["answers"], never["answers"]):
+        r1, g, th, r2, bl = a["trace"]
+        assert g["passed"] and th["stop"] == "cap" and th["tokens"] == 3 and "text" in th
+        assert r1["probabilities"] == n["trace"][0]["probabilities"]          # readout 1 = System One
+        assert bl["w"] == 0.25 and a["probabilities"] == bl["probabilities"]
+        assert bl["probabilities"] == [r9(0.25 * x + 0.75 * y)
+                                       for x, y in zip(r2["probabilities"], r1["probabilities"])]
+
+
+@pytest.mark.parametrize("k,eos", [(0, False), (2, False), (3, True)])
+def test_closed_when_model_emits_channel_close(demo_prompter, k, eos):
+    r = make_request(2, n_q=1, thought="always", cap=50, blend_closed=1.0)
+    L = len(demo_prompter.stem(r.system, r.context, [], r.questions[0].text, r.questions[0].choices, []).tokens)
+    end = demo_prompter.eos_ids[0] if eos else demo_prompter.channel_close      # an end of turn closes it too
+    m = ModelProxy(random_model(), close=end, after=k, stem_len=L)
+    out, = serve_all(demo_prompter, [r], model=m)
+    a = out["answers"][0]
+    assert a["stop"] == "closed" and a["reasoning_tokens"] == k
+    assert a["probabilities"] == a["trace"][3]["probabilities"]               # w = 1: the second readout
+
+
+def test_budget_and_deadline_stop_the_thought_but_not_the_readout(demo_prompter):
+    r = make_request(6, n_q=1, thought="always", budget_ms=5000, arrival=time.monotonic() - 10)
+    late, = serve_all(demo_prompter, [r])
+    a = late["answers"][0]
+    assert a["stop"] == "budget" and a["reasoning_tokens"] == 0 and stages_of(a)[-2:] == ["readout", "blend"]
+    m = ModelProxy(random_model())
+    shift = lambda: time.monotonic() + (100 if len(m.calls) >= 6 else 0)    # time jumps mid-thought
+    eng = Engine(m, demo_prompter, EngineConfig(model_dir="", max_len=512, prefill_chunk=64), clock=shift)
+    eng.start()
+    try:
+        r = make_request(6, n_q=1, thought="always", deadline=time.monotonic() + 50)
+        a = eng.submit(r).result(30)["answers"][0]
+    finally:
+        eng.stop(5)
+    assert a["stop"] == "deadline" and 0 < a["reasoning_tokens"] < 10 and stages_of(a)[-2:] == ["readout", "blend"]
+
+
+def test_think_ms_turns_into_tokens(demo_prompter):
+    cost = check_cost_table({"device": "x", "batch": [1, 16], "context": [64, 512], "ms": [[2.0, 3.0], [4.0, 5.0]]})
+    r = make_request(3, n_q=1, thought="always", cap=100, think_ms=21.0)
+    out, = serve_all(demo_prompter, [r], think_cost=cost, serial=True)
+    a = out["answers"][0]
+    assert a["stop"] == "closed" or a["reasoning_tokens"] == 7               # floor(21 / 3.0): batch 1, ctx <= 512
+
+
+def test_same_answers_alone_batched_serial_and_uncached(demo_prompter):
+    reqs = lambda: [make_request(i, n_q=3, tau=0.993, cap=6) for i in range(4)]   # tau splits gate / think here
+    strip_ms = lambda res: [[(a["answer"], a["stop"], a["reasoning_tokens"], a["probabilities"],
+                           [t.get("text") for t in a["trace"]]) for a in r["answers"]] for r in res]
+    alone = [serve_all(demo_prompter, [r])[0] for r in reqs()]
+    base = strip_ms(alone)
+    assert {a["stop"] == "gate" for r in alone for a in r["answers"]} == {True, False}
+    for kw in ({}, {"serial": True}, {"prefix_cache": False}, {"max_batch": 2, "prefill_chunk": 16},
+               {"model": random_model(kv_tokens=400)}):          # 25 blocks: seqs wait, cached blocks evicted
+        got = strip_ms(serve_all(demo_prompter, reqs(), **kw))
+        for r1, r2 in zip(base, got):
+            for x, y in zip(r1, r2):
+                assert x[:3] == y[:3] and x[4] == y[4], kw
+                assert np.allclose(x[3], y[3], atol=1e-6, rtol=0), kw
+
+
+def test_shared_context_computed_once(demo_prompter):
+    for cache in (True, False):
+        m = ModelProxy(random_model())
+        out, = serve_all(demo_prompter, [make_request(4, n_q=4, thought="never")], model=m, prefix_cache=cache)
+        u = out["usage"]
+        assert m.rows == u["prompt_tokens"] - u["cached_tokens"] + 4           # + one readout probe each
+        if cache:
+            r = make_request(4)
+            shared = demo_prompter.stem(r.system, r.context, [], "x", ["a", "b"], []).shared_len
+            assert u["cached_tokens"] == 3 * (shared // BLOCK) * BLOCK
+        else:
+            assert u["cached_tokens"] == 0
+
+
+def test_images_batched_and_cached_like_text(demo_prompter):
+    rng = np.random.default_rng(7)
+    pics = {name: rng.standard_normal((n, 32)).astype(np.float32) for name, n in (("a", 20), ("b", 20), ("c", 9))}
+    enc = lambda name: pics[name]
+
+    def r(img):                       # identical requests but for the request image
+        x = make_request(5, n_q=2, tau=0.6, cap=3)
+        x.images = [img]
+        x.questions[1].images = ["c"]
+        return x
+    probs = lambda res: [a["probabilities"] for a in res["answers"]]
+    alone = [serve_all(demo_prompter, [r(img)], encode_image=enc, prefill_chunk=16)[0] for img in "ab"]
+    both = serve_all(demo_prompter, [r("a"), r("b")], encode_image=enc, prefill_chunk=64, max_batch=3)
+    for x, y in zip(alone, both):
+        assert all(np.allclose(p, q, atol=1e-6) for p, q in zip(probs(x), probs(y)))
+        assert y["usage"]["images"] == 2
+    assert probs(alone[0]) != probs(alone[1])                                  # the image matters
+    x = r("a")
+    start = demo_prompter.stem(x.system, x.context, [20], "q", ["a", "b"], []).image_spans[0][0]
+    # "b" shares the text before its image with "a", never the image: the hit ends before the image
+    assert both[1]["usage"]["cached_tokens"] <= both[0]["usage"]["cached_tokens"] + 2 * (start // BLOCK) * BLOCK
+
+
+# --- admission and errors ----------------------------------------------------------------------
+
+def test_edf_order_in_the_engine(demo_prompter):
+    now, order = time.monotonic(), []
+    eng = Engine(random_model(), demo_prompter, EngineConfig(model_dir="", max_len=512, max_batch=1, prefill_chunk=64))
+    for i, dl in enumerate((300, None, 100, 200)):
+        eng.submit(make_request(i, n_q=1, tau=0.0, deadline=None if dl is None else now + dl, arrival=now + i / 1000)
+                   ).add_done_callback(lambda f: order.append(f.result()["id"]))
+    eng.start()
+    eng.stop(30)
+    assert order == ["r2", "r3", "r0", "r1"]
+
+
+def test_queue_full_deadline_and_too_large(demo_prompter):
+    eng = Engine(random_model(), demo_prompter, EngineConfig(model_dir="", max_len=512, max_queue=2))
+    futs = [eng.submit(make_request(i, n_q=1, tau=0.0)) for i in range(3)]
+    with pytest.raises(EngineError) as e:
+        futs[2].result(0)
+    assert e.value.status == 429 and e.value.type == "overloaded"
+    eng.start()
+    try:
+        assert all(f.result(30)["answers"] for f in futs[:2])
+        late = eng.submit(make_request(9, n_q=1, deadline=time.monotonic() - 1))
+        with pytest.raises(EngineError) as e:
+            late.result(30)
+        assert (e.value.status, e.value.type) == (503, "deadline_exceeded")
+    finally:
+        eng.stop(5)
+    small, = serve_all(demo_prompter, [make_request(0, n_q=1)], max_len=64)
+    assert isinstance(small, EngineError) and small.status == 413
+    tiny_pool, = serve_all(demo_prompter, [make_request(0, n_q=1)], model=random_model(kv_tokens=64))
+    assert isinstance(tiny_pool, EngineError) and tiny_pool.status == 413
+
+
+def test_step_exception_fails_only_its_requests(demo_prompter):
+    m = ModelProxy(random_model())
+    eng = Engine(m, demo_prompter, EngineConfig(model_dir="", max_len=512, prefill_chunk=32))
+    eng.start()
+    try:
+        m.boom = True
+        with pytest.raises(EngineError) as e:
+            eng.submit(make_request(0, n_q=2)).result(30)
+        assert (e.value.status, e.value.type) == (500, "internal") and "boom" not in e.value.message
+        m.boom = False
+        ok = eng.submit(make_request(1, n_q=2, tau=0.0)).result(30)
+        assert len(ok["answers"]) == 2
+        m.hold.clear()
+        gone = eng.submit(make_request(2, n_q=1))
+        time.sleep(0.05)
+        gone.cancel()                                  # the client left: the engine drops it and goes on
+        m.hold.set()
+        assert eng.submit(make_request(3, n_q=1, tau=0.0)).result(30)["answers"]
+        snap = eng.metrics_snapshot()
+        assert snap["requests"] == {"500": 1, "ok": 2, "499": 1} and snap["answers"] == {"gate": 3}
+        h = eng.health()
+        assert h["queue"] == {"waiting": 0, "running": 0} and h["kv"]["capacity_tokens"] == m.num_blocks * BLOCK
+    finally:
+        eng.stop(5)
+
+
+def test_calibrate_table(demo_prompter):
+    t = calibrate(random_model(), EngineConfig(model_dir="", max_len=300, max_batch=4), repeats=1)
+    assert t["batch"] == [1, 2, 4] and t["context"] == [256, 300] and check_cost_table(t)
+
+
+# ====================================================================================================
+# wire
+# ====================================================================================================
+"""wire.py end to end: the real server on 127.0.0.1 port 0 in a thread, a fake engine, real clients
+(http.client and raw sockets). No GPU, no model."""
+import base64
+import concurrent.futures
+import gzip
+import http.client
+import io
+import json
+import os
+import random
+import socket
+import string
+import struct
+import sys
+import threading
+import time
+import tracemalloc
+import zlib
+
+import pytest
+import zstandard
+
+sys.path.insert(0, __file__.rsplit("/tests_parts/", 1)[0])
+import vision  # noqa: E402
+import wire  # noqa: E402
+from config import EngineConfig, PolicyConfig  # noqa: E402
+from engine import EngineError  # noqa: E402
+
+
+# --- fake engine ----------------------------------------------------------------------------------
+
+class FakeWireEngine:
+    """Uniform probabilities; `system` steers it: "sleep:S", "overload", "late", "long", "boom"."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(64)
+        self.seen, self.cancelled = [], 0
+        self.lock = threading.Lock()
+
+    def submit(self, req):
+        with self.lock:
+            self.seen.append(req)
+        if req.system == "overload":
+            raise EngineError(429, "overloaded", "queue full")
+        fut = concurrent.futures.Future()
+        self.pool.submit(self._work, req, fut)
+        return fut
+
+    def _work(self, req, fut):
+        if req.system.startswith("sleep:"):
+            time.sleep(float(req.system[6:]))
+        if not fut.set_running_or_notify_cancel():
+            with self.lock:
+                self.cancelled += 1
+            return
+        if req.system == "late":
+            return fut.set_exception(EngineError(503, "deadline_exceeded", "deadline passed"))
+        if req.system == "long":
+            return fut.set_exception(EngineError(413, "too_large", "prompt too long", field="questions[0]"))
+        if req.system == "boom":
+            return fut.set_exception(RuntimeError("secret internal detail /opt/x.py line 3"))
+        answers = []
+        for q in req.questions:
+            n = len(q.choices)
+            answers.append({"id": q.id, "answer": q.choices[0], "index": 0, "probabilities": [1 / n] * n,
+                            "reasoning_tokens": 0, "stop": "gate", "ms": 0.1,
+                            "trace": [{"stage": "echo", "text": q.text, "choices": q.choices}]})
+        fut.set_result({"id": req.id, "model": "fake-model", "answers": answers, "ms": 0.2,
+                        "usage": {"prompt_tokens": 1, "cached_tokens": 0, "reasoning_tokens": 0,
+                                  "images": len(req.images) + sum(len(q.images) for q in req.questions)}})
+
+    def health(self):
+        return {"status": "ok", "device": "cpu", "queue": {"waiting": 0, "running": 0},
+                "kv": {"used": 0.0, "capacity_tokens": 1024}}
+
+    def metrics_snapshot(self):
+        return {"queue_waiting": 0, "answers": {"gate": 3, "cap": 1}, "prompt_tokens": 17, "kv_used": 0.25,
+                "step_ms": {"le": [1, 10], "counts": [2, 5], "sum": 20.0, "count": 5}}
+
+
+WIRE_CFG = EngineConfig(model_dir="unused", read_timeout_s=1.5, max_connections=300, max_body_bytes=1 << 20,
+                   max_decoded_bytes=2 << 20, max_questions=8, max_images=3, max_image_pixels=1_000_000,
+                   image_soft_tokens=70, policy=PolicyConfig(cap=256))
+
+
+def start_wire(engine=None, cfg=WIRE_CFG, vision_on=True):
+    srv = wire.Server(engine, cfg, "fake-model", vision=vision_on)
+    srv.bind("127.0.0.1", 0)
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    return srv, t
+
+
+@pytest.fixture(scope="module")
+def wire_server():
+    eng = FakeWireEngine()
+    srv, t = start_wire(eng)
+    srv.fake = eng
+    yield srv
+    srv.shutdown(timeout=2)
+    t.join(5)
+
+
+def rnd_text(n=12):
+    return "".join(random.choices(string.ascii_letters + string.digits, k=n))
+
+
+def wire_question(**kw):
+    q = {"text": "Which? " + rnd_text(), "choices": [rnd_text(), rnd_text(), rnd_text()]}
+    q.update(kw)
+    return q
+
+
+def http_call(srv, method="POST", path="/v1/systemone", body=None, headers=None, raw=False):
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    if body is not None and not isinstance(body, (bytes, bytearray)):
+        body = json.dumps(body).encode()
+    h = {"Content-Type": "application/json"} if body is not None else {}
+    h.update(headers or {})
+    c.request(method, path, body=body, headers=h)
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    if raw:
+        return r, data
+    return r.status, (json.loads(data) if r.getheader("content-type", "").startswith("application/json") else data)
+
+
+def raw_exchange(srv, payload, shut=True, timeout=5):
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=timeout)
+    s.sendall(payload)
+    if shut:
+        s.shutdown(socket.SHUT_WR)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    s.close()
+    return out
+
+
+def png_bytes(w=64, h=48, flat=False):
+    b = io.BytesIO()
+    from PIL import Image
+    if flat:
+        im = Image.new("RGB", (w, h), tuple(os.urandom(3)))
+    else:
+        im = Image.frombytes("RGB", (w, h), os.urandom(w * h * 3))
+    im.save(b, "PNG")
+    return b.getvalue()
+
+
+def png_header_only(w, h):
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+# --- happy paths ----------------------------------------------------------------------------------
+
+def test_answers_and_question_types(wire_server):
+    qs = [wire_question(id="c"), {"text": "Yes? " + rnd_text(), "type": "boolean"},
+          {"id": "s", "text": "How? " + rnd_text(), "type": "scale", "min": -1, "max": 3}]
+    st, body = http_call(wire_server, body={"id": "mine-" + rnd_text(), "questions": qs,
+                                            "policy": {"cap": 10, "tau": 0.5}})
+    assert st == 200, body
+    assert body["id"].startswith("mine-") and body["model"] == "fake-model"
+    assert [a["id"] for a in body["answers"]] == ["c", "1", "s"]
+    assert body["answers"][0]["trace"][0]["choices"] == qs[0]["choices"]
+    assert body["answers"][1]["trace"][0]["choices"] == ["yes", "no"]
+    assert body["answers"][2]["trace"][0]["choices"] == ["-1", "0", "1", "2", "3"]
+    req = wire_server.fake.seen[-1]
+    assert req.policy.cap == 10 and req.policy.tau == 0.5 and req.deadline is None
+
+
+def test_deadline_policy_and_server_made_id(wire_server):
+    t0 = time.monotonic()
+    st, body = http_call(wire_server, body={"questions": [wire_question()], "deadline_ms": 5000, "system": None,
+                                  "policy": {"thought": "always", "return_thought": True, "budget_ms": 50}})
+    assert st == 200 and body["id"].startswith("req-")
+    req = wire_server.fake.seen[-1]
+    assert t0 <= req.arrival <= time.monotonic() and abs(req.deadline - req.arrival - 5.0) < 1e-6
+    assert req.thought == "always" and req.return_thought is True and req.policy.budget_ms == 50
+    assert req.policy.cap == WIRE_CFG.policy.cap and req.system == ""
+    assert http_call(wire_server, body={"questions": [wire_question()], "deadline_ms": 0})[0] == 200
+    assert wire_server.fake.seen[-1].deadline is None and wire_server.fake.seen[-1].thought == "auto"
+    srv, t = start_wire(FakeWireEngine(), WIRE_CFG.replace(deadline_ms=700.0))  # the default applies
+    try:
+        assert http_call(srv, body={"questions": [wire_question()]})[0] == 200
+        r = srv.engine.seen[-1]
+        assert abs(r.deadline - r.arrival - 0.7) < 1e-6
+    finally:
+        srv.shutdown(timeout=2)
+        t.join(5)
+
+
+def test_health_metrics(wire_server):
+    st, body = http_call(wire_server, "GET", "/health")
+    assert st == 200 and body["status"] == "ok" and body["model"] == "fake-model" and "uptime_s" in body
+    http_call(wire_server, body={"questions": [wire_question()]})
+    r, text = http_call(wire_server, "GET", "/metrics", raw=True)
+    assert r.status == 200 and r.getheader("content-type").startswith("text/plain; version=0.0.4")
+    text = text.decode()
+    assert 'span02_http_requests_total{endpoint="/v1/systemone",status="200"}' in text
+    assert 'span02_request_duration_seconds_bucket{le="+Inf"}' in text
+    assert 'span02_answers_total{stop="gate"} 3' in text and "span02_prompt_tokens_total 17" in text
+    assert 'span02_step_seconds_bucket{le="0.01"} 5' in text and "span02_step_seconds_count 5" in text
+    assert "# TYPE span02_queue_waiting gauge" in text and "span02_kv_used 0.25" in text
+
+
+def test_loading_then_ready():
+    srv, t = start_wire(None)
+    try:
+        st, body = http_call(srv, "GET", "/health")
+        assert (st, body) == (503, {"status": "loading"})
+        st, body = http_call(srv, body={"questions": [wire_question()]})
+        assert st == 503 and body["error"]["type"] == "unavailable"
+        srv.set_engine(FakeWireEngine())
+        assert http_call(srv, "GET", "/health")[0] == 200
+        assert http_call(srv, body={"questions": [wire_question()]})[0] == 200
+    finally:
+        srv.shutdown(timeout=2)
+        t.join(5)
+
+
+# --- the error table ----------------------------------------------------------------------------
+
+def _wq(**kw):
+    return {"questions": [wire_question(**kw)]}
+
+
+WIRE_BAD = [  # (body, status, type, field)
+    (b'{"questions": [', 400, "bad_request", None),
+    (b'{"questions": [{"text": "\xff\xfe", "choices": ["a", "b"]}]}', 400, "bad_request", None),
+    (b"[" * 100000 + b"]" * 100000, 400, "bad_request", None),
+    (b'{"questions": [{"text": "x", "choices": ["a", "b"]}], "deadline_ms": NaN}', 400, "bad_request", None),
+    ({"questions": [wire_question()], "colour": 1}, 422, "invalid_request", "colour"),
+    (_wq(colour=1), 422, "invalid_request", "questions[0].colour"),
+    ({"questions": [wire_question()], "policy": {"temperature": 1}}, 422, "invalid_request", "policy.temperature"),
+    ({"questions": []}, 422, "invalid_request", "questions"),
+    ({"questions": [wire_question() for _ in range(9)]}, 422, "invalid_request", "questions"),
+    ({"questions": "q"}, 422, "invalid_request", "questions"),
+    ({}, 422, "invalid_request", "questions"),
+    ([1, 2], 422, "invalid_request", None),
+    (_wq(choices=["a"]), 422, "invalid_request", "questions[0].choices"),
+    (_wq(choices=[str(i) for i in range(27)]), 422, "invalid_request", "questions[0].choices"),
+    (_wq(choices=["a", "a"]), 422, "invalid_request", "questions[0].choices"),
+    (_wq(choices=["a", ""]), 422, "invalid_request", "questions[0].choices[1]"),
+    (_wq(choices=["a", 3]), 422, "invalid_request", "questions[0].choices[1]"),
+    (_wq(choices=["a", "b" * 1001]), 422, "invalid_request", "questions[0].choices[1]"),
+    (_wq(text=""), 422, "invalid_request", "questions[0].text"),
+    ({"questions": [{"choices": ["a", "b"]}]}, 422, "invalid_request", "questions[0].text"),
+    (_wq(type="essay"), 422, "invalid_request", "questions[0].type"),
+    ({"questions": [{"text": "t", "type": "boolean", "choices": ["a", "b"]}]}, 422, "invalid_request",
+     "questions[0].choices"),
+    ({"questions": [{"text": "t", "type": "scale", "min": 1, "max": 1}]}, 422, "invalid_request", "questions[0].max"),
+    ({"questions": [{"text": "t", "type": "scale", "min": 1, "max": 27}]}, 422, "invalid_request", "questions[0].max"),
+    ({"questions": [{"text": "t", "type": "scale", "min": 1.5, "max": 3}]}, 422, "invalid_request", "questions[0].min"),
+    ({"questions": [wire_question(id="a"), wire_question(id="a")]}, 422, "invalid_request", "questions[1].id"),
+    ({"questions": [wire_question(), wire_question(id="0")]}, 422, "invalid_request", "questions[1].id"),
+    ({"questions": [wire_question()], "id": "x" * 129}, 422, "invalid_request", "id"),
+    (_wq(id="x" * 129), 422, "invalid_request", "questions[0].id"),
+    ({"questions": [wire_question()], "policy": {"cap": 257}}, 422, "invalid_request", "policy.cap"),
+    ({"questions": [wire_question()], "policy": {"cap": -1}}, 422, "invalid_request", "policy.cap"),
+    ({"questions": [wire_question()], "policy": {"tau": -0.1}}, 422, "invalid_request", "policy.tau"),
+    ({"questions": [wire_question()], "policy": {"tau": "high"}}, 422, "invalid_request", "policy.tau"),
+    ({"questions": [wire_question()], "policy": {"thought": "sometimes"}}, 422, "invalid_request", "policy.thought"),
+    ({"questions": [wire_question()], "policy": {"return_thought": "yes"}}, 422, "invalid_request",
+     "policy.return_thought"),
+    ({"questions": [wire_question()], "policy": {"think_ms": 100}}, 422, "invalid_request", "policy.think_ms"),
+    ({"questions": [wire_question()], "policy": {"budget_ms": -5}}, 422, "invalid_request", "policy.budget_ms"),
+    ({"questions": [wire_question()], "deadline_ms": -1}, 422, "invalid_request", "deadline_ms"),
+    ({"questions": [wire_question()], "deadline_ms": True}, 422, "invalid_request", "deadline_ms"),
+    ({"questions": [wire_question()], "system": 5}, 422, "invalid_request", "system"),
+    ({"questions": [wire_question()], "system": 0}, 422, "invalid_request", "system"),
+    ({"questions": [wire_question()], "images": {}}, 422, "invalid_request", "images"),
+    ({"questions": [wire_question()], "policy": []}, 422, "invalid_request", "policy"),
+    ({"questions": [wire_question()], "images": [{"asset": "nope"}]}, 422, "invalid_request", "images[0].asset"),
+    ({"questions": [wire_question()], "images": [{"data": "!!!not base64!!!"}]}, 400, "bad_request", "images[0]"),
+    ({"questions": [wire_question()], "images": [{"data": "aGk=", "asset": "a"}]}, 422, "invalid_request", "images[0]"),
+    ({"questions": [wire_question()], "images": ["http://example.com/a.png"]}, 422, "invalid_request", "images[0]"),
+    ({"questions": [wire_question()], "images": [{"data": base64.b64encode(os.urandom(300)).decode()}]},
+     422, "invalid_request", "images[0]"),
+    ({"questions": [wire_question(images=[{"data": base64.b64encode(b"GIF89a" + os.urandom(40)).decode()}])]},
+     422, "invalid_request", "questions[0].images[0]"),
+    ({"questions": [wire_question()], "images": [{"data": "aGk="}] * 4}, 413, "too_large", "images"),
+    ({"questions": [wire_question(text="\ud800")]}, 422, "invalid_request", "questions[0].text"),
+]
+
+
+@pytest.mark.parametrize("body,status,type,field", WIRE_BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(WIRE_BAD)])
+def test_bad_requests(wire_server, body, status, type, field):
+    st, out = http_call(wire_server, body=body)
+    assert st == status, out
+    assert out["error"]["type"] == type and out["error"]["message"]
+    assert out["error"].get("field") == field
+
+
+def test_engine_errors(wire_server):
+    r, data = http_call(wire_server, body={"system": "overload", "questions": [wire_question()]}, raw=True)
+    assert r.status == 429 and r.getheader("retry-after") and json.loads(data)["error"]["type"] == "overloaded"
+    st, out = http_call(wire_server, body={"system": "late", "questions": [wire_question()]})
+    assert st == 503 and out["error"]["type"] == "deadline_exceeded"
+    st, out = http_call(wire_server, body={"system": "long", "questions": [wire_question()]})
+    assert st == 413 and out["error"]["field"] == "questions[0]"
+    st, out = http_call(wire_server, body={"system": "boom", "questions": [wire_question()]})
+    assert st == 500 and out["error"]["type"] == "internal"
+    assert "secret" not in out["error"]["message"] and "req-" in out["error"]["message"]
+    assert http_call(wire_server, body={"questions": [wire_question()]})[0] == 200
+
+
+def test_http_errors(wire_server):
+    assert http_call(wire_server, "GET", "/nope")[1]["error"]["type"] == "not_found"
+    r, _ = http_call(wire_server, "GET", "/v1/systemone", raw=True)
+    assert r.status == 405 and r.getheader("allow") == "POST"
+    assert http_call(wire_server, "POST", "/health", body=b"{}")[0] == 405
+    assert http_call(wire_server, body=b"hello", headers={"Content-Type": "text/plain"})[0] == 415
+    assert http_call(wire_server, body=b"{}", headers={"Content-Type": "application/x-www-form-urlencoded"})[0] == 415
+    assert http_call(wire_server, body=b"{}", headers={"Content-Encoding": "br"})[0] == 415
+    assert http_call(wire_server, body=b"{}", headers={"Content-Type": "application/json; charset=latin-1"})[0] == 415
+    assert http_call(wire_server, body=b"{}", headers={"Content-Type": "multipart/form-data"})[0] == 400
+    out = raw_exchange(wire_server, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 411 ") and b"length_required" in out
+    out = raw_exchange(wire_server, b"GARBAGE\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ") and b"bad_request" in out
+    out = raw_exchange(wire_server, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ")
+    out = raw_exchange(wire_server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10) + b"\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 431 ")
+    assert http_call(wire_server, "GET", "/health")[0] == 200
+
+
+def test_oversized_and_truncated_bodies(wire_server):
+    big = json.dumps({"questions": [wire_question()], "context": rnd_text(1100 << 10)}).encode()
+    st, out = http_call(wire_server, body=big)
+    assert st == 413 and out["error"]["type"] == "too_large"
+    # chunked, so the cap fires while reading rather than from Content-Length
+    c = http.client.HTTPConnection("127.0.0.1", wire_server.port, timeout=10)
+    c.request("POST", "/v1/systemone", body=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+              headers={"Content-Type": "application/json"}, encode_chunked=True)
+    assert c.getresponse().status == 413
+    c.close()
+    body = json.dumps({"questions": [wire_question()]}).encode()
+    out = raw_exchange(wire_server, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (len(body) + 50, body))
+    assert out == b"" or out.startswith(b"HTTP/1.1 400 ")
+    assert http_call(wire_server, body=body)[0] == 200
+
+
+def test_compressed_request_bodies(wire_server):
+    body = json.dumps({"questions": [wire_question()], "context": rnd_text(5000)}).encode()
+    for enc, data in (("gzip", gzip.compress(body)), ("zstd", zstandard.ZstdCompressor().compress(body))):
+        st, out = http_call(wire_server, body=data, headers={"Content-Encoding": enc})
+        assert st == 200, out
+        assert wire_server.fake.seen[-1].context == json.loads(body)["context"]
+    st, out = http_call(wire_server, body=gzip.compress(body)[:-20], headers={"Content-Encoding": "gzip"})
+    assert st == 400
+    assert http_call(wire_server, body=b"\x28\xb5\x2f\xfdgarbage", headers={"Content-Encoding": "zstd"})[0] == 400
+
+
+@pytest.mark.parametrize("enc", ["gzip", "zstd"])
+def test_decompression_bomb(wire_server, enc):
+    # a valid request padded with 256 MiB of JSON whitespace: only the decoded cap (2 MiB) refuses it
+    prefix = json.dumps({"questions": [wire_question()]}).encode()
+    if enc == "gzip":
+        z = zlib.compressobj(9, zlib.DEFLATED, 31)
+        blob = z.compress(prefix) + b"".join(z.compress(b" " * (16 << 20)) for _ in range(16)) + z.flush()
+    else:
+        blob = zstandard.ZstdCompressor(level=3).compress(prefix + b" " * (256 << 20))
+    assert len(blob) < WIRE_CFG.max_body_bytes
+    before = wire_server.metrics.decoded_bytes
+    tracemalloc.start()
+    try:
+        st, out = http_call(wire_server, body=blob, headers={"Content-Encoding": enc})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert st == 413 and out["error"]["type"] == "too_large"
+    assert wire_server.metrics.decoded_bytes - before <= WIRE_CFG.max_decoded_bytes + wire.CHUNK
+    assert peak < 12 << 20, peak  # the bomb inflates to 256 MiB; we hold at most the 2 MiB cap and copies
+
+
+def test_images_multipart_and_data_urls(wire_server):
+    a, b = png_bytes(), png_bytes(40, 90)
+    req = {"images": [{"asset": "first"}],  # "first" is used twice: decoded once, the same object twice
+           "questions": [wire_question(images=[{"asset": "second"}]), wire_question(images=[{"asset": "first"}])]}
+    bnd = "----" + rnd_text(20)
+    parts = [("request", "application/json", json.dumps(req).encode()), ("first", "image/png", a),
+             ("second", "image/png", b)]
+    payload = b"".join(f"--{bnd}\r\nContent-Disposition: form-data; name=\"{n}\"; filename=\"{n}\"\r\n"
+                       f"Content-Type: {t}\r\n\r\n".encode() + d + b"\r\n" for n, t, d in parts)
+    payload += f"--{bnd}--\r\n".encode()
+    mp = {"Content-Type": f"multipart/form-data; boundary={bnd}"}
+    st, out = http_call(wire_server, body=payload, headers=mp)
+    assert st == 200, out
+    assert out["usage"]["images"] == 3
+    r = wire_server.fake.seen[-1]
+    assert len(r.images) == 1 and len(r.questions[0].images) == 1 and r.questions[1].images[0] is r.images[0]
+    assert isinstance(r.images[0], vision.Preprocessed) and r.images[0].num_soft_tokens > 0
+    assert r.questions[0].images[0].size != r.images[0].size  # 40x90 vs 64x48: each asset its own image
+    url = "data:image/png;base64," + base64.b64encode(a).decode()
+    st, out = http_call(wire_server, body={"images": [url], "questions": [wire_question(images=[{"data": url}])]})
+    assert st == 200 and len(wire_server.fake.seen[-1].images) == 1
+    assert len(wire_server.fake.seen[-1].questions[0].images) == 1
+    bad = payload.replace(f"--{bnd}--".encode(), b"")  # no closing boundary
+    assert http_call(wire_server, body=bad, headers=mp)[0] == 400
+    no_req = payload.replace(b'name="request"', b'name="other"')
+    assert http_call(wire_server, body=no_req, headers=mp)[0] == 400
+
+
+def test_image_bomb(wire_server):
+    for blob in (png_header_only(100_000, 100_000), png_bytes(1100, 1000, flat=True)):
+        img = {"data": base64.b64encode(blob).decode()}
+        st, out = http_call(wire_server, body={"questions": [wire_question(images=[img])]})
+        assert st == 422 and out["error"]["field"] == "questions[0].images[0]"
+        assert "too large" in out["error"]["message"]
+
+
+def test_no_vision_tower():
+    srv, t = start_wire(FakeWireEngine(), vision_on=False)
+    try:
+        img = {"data": base64.b64encode(png_bytes()).decode()}
+        st, out = http_call(srv, body={"questions": [wire_question()], "images": [img]})
+        assert st == 422 and out["error"]["field"] == "images[0]" and "vision tower" in out["error"]["message"]
+    finally:
+        srv.shutdown(timeout=2)
+        t.join(5)
+
+
+# --- transport ------------------------------------------------------------------------------------
+
+def test_keep_alive_and_pipelining(wire_server):
+    c = http.client.HTTPConnection("127.0.0.1", wire_server.port, timeout=10)
+    texts = []
+    for _ in range(2):
+        q = wire_question()
+        texts.append(q["text"])
+        c.request("POST", "/v1/systemone", body=json.dumps({"questions": [q]}),
+                  headers={"Content-Type": "application/json"})
+        sock = c.sock
+        r = c.getresponse()
+        assert r.status == 200 and json.loads(r.read())["answers"][0]["trace"][0]["text"] == texts[-1]
+    assert c.sock is sock  # the same connection served both
+    c.close()
+    bodies = [json.dumps({"questions": [wire_question()]}).encode() for _ in range(3)]
+    payload = b"".join(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(b), b) for b in bodies)
+    s = socket.create_connection(("127.0.0.1", wire_server.port), timeout=10)
+    s.sendall(payload + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    assert out.count(b"HTTP/1.1 200 ") == 4
+    pos = [out.index(json.loads(b)["questions"][0]["text"].encode()) for b in bodies]
+    assert pos == sorted(pos)
+    # a client error, and a GET with a small body, leave the connection usable
+    out = raw_exchange(wire_server, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+                               b"Content-Length: 5\r\n\r\nhello"
+                               b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+                               b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 415 ") and out.count(b"HTTP/1.1 200 ") == 2
+
+
+def test_chunked_request(wire_server):
+    q = wire_question()
+    body = json.dumps({"questions": [q], "context": rnd_text(3000)}).encode()
+    c = http.client.HTTPConnection("127.0.0.1", wire_server.port, timeout=10)
+    c.request("POST", "/v1/systemone", body=iter([body[i:i + 700] for i in range(0, len(body), 700)]),
+              headers={"Content-Type": "application/json"}, encode_chunked=True)
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["answers"][0]["trace"][0]["text"] == q["text"]
+    c.close()
+
+
+def test_compressed_responses(wire_server):
+    body = {"questions": [wire_question(choices=[rnd_text(60) for _ in range(10)]) for _ in range(4)]}
+    for accept, enc in (("gzip, zstd", "zstd"), ("gzip", "gzip"), ("zstd;q=0, gzip;q=0.5", "gzip"), ("", None),
+                        ("identity", None)):
+        r, data = http_call(wire_server, body=body, headers={"Accept-Encoding": accept}, raw=True)
+        assert r.status == 200 and r.getheader("content-encoding") == enc
+        if enc == "zstd":
+            data = zstandard.ZstdDecompressor().decompress(data)
+        elif enc == "gzip":
+            data = gzip.decompress(data)
+        assert json.loads(data)["answers"][0]["trace"][0]["choices"] == body["questions"][0]["choices"]
+    r, _ = http_call(wire_server, "GET", "/health", headers={"Accept-Encoding": "zstd"}, raw=True)
+    assert r.getheader("content-encoding") is None  # under 1 KiB
+
+
+def test_many_clients_some_disconnect(wire_server):
+    cancelled0 = wire_server.fake.cancelled
+
+    def good(i):
+        q = wire_question()
+        st, out = http_call(wire_server, body={"id": f"c{i}", "system": "sleep:0.3", "questions": [q]})
+        return st == 200 and out["id"] == f"c{i}" and out["answers"][0]["trace"][0]["text"] == q["text"]
+
+    def rude(i):
+        body = json.dumps({"system": "sleep:0.3", "questions": [wire_question()]}).encode()
+        req = (b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s = socket.create_connection(("127.0.0.1", wire_server.port), timeout=10)
+        s.sendall(req[:len(req) // 2] if i % 2 else req)  # half a request, or all of it
+        time.sleep(0.05)
+        if i % 3 == 0:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        s.close()
+        return True
+
+    kinds = [rude if i % 10 == 0 else good for i in range(200)]
+    with concurrent.futures.ThreadPoolExecutor(200) as ex:
+        results = list(ex.map(lambda a: a[1](a[0]), enumerate(kinds)))
+    assert all(results)
+    assert http_call(wire_server, "GET", "/health")[0] == 200
+    time.sleep(0.5)
+    assert wire_server.fake.cancelled > cancelled0  # the engine was told about the ones that left
+
+
+def test_slow_client_cut_others_served(wire_server):
+    s = socket.create_connection(("127.0.0.1", wire_server.port), timeout=10)
+    head = b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 1000
+    got, t0 = [], time.monotonic()
+
+    def slow():
+        try:
+            for byte in head:  # one byte a second
+                s.send(bytes([byte]))
+                time.sleep(1.0)
+        except OSError:
+            pass
+        got.append(time.monotonic() - t0)
+
+    th = threading.Thread(target=slow)
+    th.start()
+    for _ in range(3):  # others are served meanwhile
+        t1 = time.monotonic()
+        assert http_call(wire_server, body={"questions": [wire_question()]})[0] == 200
+        assert time.monotonic() - t1 < 1.0
+    s.settimeout(5)
+    data = s.recv(65536)
+    cut = time.monotonic() - t0
+    assert data.startswith(b"HTTP/1.1 408 ") or data == b""
+    assert cut < WIRE_CFG.read_timeout_s + 1.0
+    s.close()
+    th.join(10)
+
+
+def test_connection_cap():
+    srv, ready = wire.Server(FakeWireEngine(), WIRE_CFG.replace(max_connections=2), "m", vision=True), threading.Event()
+    t = threading.Thread(target=srv.serve, args=("127.0.0.1", 0, ready), daemon=True)
+    t.start()
+    assert ready.wait(5) and srv.port
+    try:
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        time.sleep(0.2)
+        out = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503 ") and b"retry-after" in out.lower()
+        for s in idle:
+            s.close()
+        time.sleep(0.2)
+        assert http_call(srv, "GET", "/health")[0] == 200
+    finally:
+        srv.shutdown(timeout=2)
+        t.join(5)
+
+
+def test_graceful_shutdown():
+    srv, t = start_wire(FakeWireEngine())
+    port, res = srv.port, {}
+
+    def inflight():
+        res["r"] = http_call(srv, body={"system": "sleep:1.0", "questions": [wire_question()]})
+
+    c = threading.Thread(target=inflight)
+    c.start()
+    time.sleep(0.3)
+    idle = socket.create_connection(("127.0.0.1", port))  # an idle keep-alive connection is closed
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    stopper = threading.Thread(target=srv.shutdown, kwargs={"timeout": 5})
+    stopper.start()
+    time.sleep(0.2)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    idle.settimeout(3)
+    assert idle.recv(100) == b""
+    c.join(5)
+    stopper.join(5)
+    t.join(5)
+    assert res["r"][0] == 200 and not t.is_alive() and not stopper.is_alive()
+    assert 0.4 < time.monotonic() - t0 < 4
+
+
+def test_idle_keep_alive_closed_and_expect_continue(wire_server):
+    s = socket.create_connection(("127.0.0.1", wire_server.port), timeout=5)
+    body = json.dumps({"questions": [wire_question()]}).encode()
+    s.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+    assert s.recv(100).startswith(b"HTTP/1.1 100 ")
+    s.sendall(body)
+    out = s.recv(65536)
+    assert out.startswith(b"HTTP/1.1 200 ")
+    t0 = time.monotonic()
+    assert s.recv(100) == b""  # idle past the read timeout: closed
+    assert WIRE_CFG.read_timeout_s - 0.2 < time.monotonic() - t0 < WIRE_CFG.read_timeout_s + 1.0
+    s.close()
+
+
+def test_shutdown_from_the_serving_thread():
+    """What a signal handler in the thread running run() does: shutdown() must schedule, not deadlock."""
+    srv, t = start_wire(FakeWireEngine())
+    assert http_call(srv, "GET", "/health")[0] == 200
+    srv._loop.call_soon_threadsafe(srv.shutdown)
+    t.join(5)
+    assert not t.is_alive()
+    srv2 = wire.Server(None, WIRE_CFG, "m", vision=True)  # shut down before run(): run() returns at once
+    srv2.bind("127.0.0.1", 0)
+    srv2.shutdown()
+    srv2.run()
+
+
+# ====================================================================================================
+# server_e2e
+# ====================================================================================================
+# --- the server end to end on the demo model: real engine, real HTTP, real client ---------------------
+# (uses start_wire, http_call, png_bytes from the wire tests above)
+import base64
+import concurrent.futures
+import copy
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import model as model_mod
+import span02
+from config import EngineConfig, PolicyConfig
+from engine import Engine
+from prompt import Prompter
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+GOLDEN = os.path.join(ROOT, "golden", "responses.json")
+E2E_DOC = ("The harbour office logs every ship. The Albatross arrived at dawn with grain; the Heron left at noon "
+           "for the islands, and the Osprey is held in dock for repairs to her rudder until Friday.")
+
+
+def demo_server(**kw):
+    """The demo model behind a real Server on an ephemeral port. Returns (server, thread, engine)."""
+    policy = PolicyConfig(**kw.pop("policy", {}))
+    cfg = EngineConfig(model_dir=span02.DEMO_DIR, kv_tokens=kw.pop("kv_tokens", 16384), policy=policy,
+                       image_soft_tokens=kw.pop("image_soft_tokens", 70), **kw)
+    m = model_mod.load(span02.DEMO_DIR, kv_tokens=cfg.kv_tokens)
+    eng = Engine(m, Prompter(span02.DEMO_DIR), cfg, encode_image=m.encode_image)
+    eng.start()
+    srv, t = start_wire(eng, cfg)
+    return srv, t, eng
+
+
+def stop_server(srv, t, eng):
+    srv.shutdown(timeout=5)
+    t.join(10)
+    eng.stop(drain_timeout=5)
+
+
+def strip_times(x):
+    """A response without its timing fields (they are the only ones that vary between runs)."""
+    if isinstance(x, dict):
+        return {k: strip_times(v) for k, v in x.items() if k != "ms"}
+    if isinstance(x, list):
+        return [strip_times(v) for v in x]
+    return x
+
+
+def check_answers(body, request):
+    assert len(body["answers"]) == len(request["questions"])
+    for a, q in zip(body["answers"], request["questions"]):
+        n = {"boolean": 2, "scale": q.get("max", 0) - q.get("min", 0) + 1}.get(q.get("type"), len(q.get("choices", [])))
+        p = a["probabilities"]
+        assert len(p) == n and abs(sum(p) - 1) < 1e-6 and all(0 <= v <= 1 for v in p)
+        assert a["index"] == max(range(n), key=lambda i: (p[i], -i))
+        choices = {"boolean": ["yes", "no"]}.get(q.get("type")) or (
+            [str(v) for v in range(q["min"], q["max"] + 1)] if q.get("type") == "scale" else q["choices"])
+        assert a["answer"] == choices[a["index"]]
+        stages = [s["stage"] for s in a["trace"]]
+        assert stages[:2] == ["readout", "gate"]
+        assert stages[2:] in ([], ["thought", "readout", "blend"])
+        assert a["stop"] in ("gate", "never", "closed", "cap", "budget", "deadline")
+        assert a["reasoning_tokens"] == (a["trace"][2]["tokens"] if len(stages) > 2 else 0)
+
+
+def e2e_requests():
+    """The fixed request set of the golden test: every shape of api.md."""
+    rng = np.random.default_rng(2026)
+    png = [png_of(rng, w, h) for w, h in ((40, 30), (25, 50))]
+    words = "red green blue amber grain harbour ship noon dawn rudder island dock north south".split()
+    reqs = []
+    for i in range(14):
+        qs = []
+        for j in range(1 + i % 4):
+            kind = ("choice", "boolean", "scale")[(i + j) % 3]
+            q = {"id": f"q{j}", "text": f"Question {i}.{j}: which one, about the {words[(i * 3 + j) % len(words)]}?"}
+            if kind == "choice":
+                q["choices"] = [words[(i + j + k) % len(words)] for k in range(2 + (i + j) % 4)]
+            elif kind == "boolean":
+                q["type"] = "boolean"
+            else:
+                q.update(type="scale", min=1, max=3 + i % 4)
+            qs.append(q)
+        r = {"id": f"golden-{i}", "questions": qs}
+        if i % 2 == 0:
+            r["context"] = E2E_DOC
+        if i % 3 == 0:
+            r["system"] = "You answer questions about the harbour log."
+        r["policy"] = [{}, {"thought": "never"}, {"thought": "always", "cap": 8}, {"tau": 0.3},
+                       {"return_thought": True, "thought": "always", "cap": 12}][i % 5]
+        reqs.append(r)
+    for i, (imgs, qimgs) in enumerate((([0], []), ([], [1]), ([0, 1], [0]))):
+        reqs.append({"id": f"golden-img-{i}", "context": "Look at the picture.",
+                     "images": [{"data": base64.b64encode(png[k]).decode()} for k in imgs],
+                     "questions": [{"id": "a", "text": "What is shown?", "choices": ["a ship", "a dock", "the sea"],
+                                    "images": [{"data": "data:image/png;base64," + base64.b64encode(png[k]).decode()}
+                                               for k in qimgs]},
+                                   {"id": "b", "text": "Is it bright?", "type": "boolean"}]})
+    reqs.append({"id": "golden-long", "context": E2E_DOC * 3, "questions": [
+        {"text": "Which ship is held?", "choices": ["Albatross", "Heron", "Osprey"]}]})
+    reqs.append({"id": "golden-unicode", "context": "Zürich, 東京, café — naïve façade.", "questions": [
+        {"text": "Ünïcödé?", "choices": ["ja", "nein", "vielleicht"]}]})
+    reqs.append({"id": "golden-26", "questions": [
+        {"text": "Pick a letter.", "choices": [chr(65 + k) * 2 for k in range(26)]}]})
+    return reqs
+
+
+def png_of(rng, w, h):
+    from PIL import Image
+    b = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(b, "PNG")
+    return b.getvalue()
+
+
+GOLDEN_FLAGS = dict(serial=True, prefix_cache=False, policy=dict(tau=0.8, cap=64))
+
+
+def golden_responses():
+    srv, t, eng = demo_server(**copy.deepcopy(GOLDEN_FLAGS))
+    try:
+        out = []
+        for r in e2e_requests():
+            status, body = http_call(srv, body=r)
+            assert status == 200, body
+            out.append(strip_times(body))
+        return out
+    finally:
+        stop_server(srv, t, eng)
+
+
+def test_golden_responses():
+    """Regenerate with: python test_span02.py --regen-golden"""
+    with open(GOLDEN) as f:
+        expected = json.load(f)
+    got = golden_responses()
+    assert len(got) == len(expected) >= 20
+    for g, e in zip(got, expected):
+        assert g == e, f"request {e['id']} differs"
+
+
+@pytest.fixture(scope="module")
+def demo_http():
+    srv, t, eng = demo_server(policy=dict(tau=0.8, cap=24))
+    yield srv
+    stop_server(srv, t, eng)
+
+
+def test_every_request_shape(demo_http):
+    for r in e2e_requests():
+        status, body = http_call(demo_http, body=r)
+        assert status == 200, (r["id"], body)
+        check_answers(body, r)
+        assert body["id"] == r["id"] and body["model"]
+        u = body["usage"]
+        assert u["images"] == len(r.get("images", [])) + sum(len(q.get("images", [])) for q in r["questions"])
+        assert u["reasoning_tokens"] == sum(a["reasoning_tokens"] for a in body["answers"])
+        assert u["prompt_tokens"] > 0 and 0 <= u["cached_tokens"] <= u["prompt_tokens"]
+        if r.get("policy", {}).get("return_thought") and r["policy"].get("thought") == "always":
+            assert all(isinstance(a["trace"][2]["text"], str) for a in body["answers"])
+
+
+def test_cached_tokens_with_and_without_prefix_cache(demo_http):
+    r = {"context": E2E_DOC * 2, "questions": [{"text": f"Question {k}?", "type": "boolean"} for k in range(4)],
+         "policy": {"thought": "never"}}
+    status, body = http_call(demo_http, body=r)
+    assert status == 200 and body["usage"]["cached_tokens"] > 0
+    srv, t, eng = demo_server(prefix_cache=False)
+    try:
+        status, nocache = http_call(srv, body=r)
+    finally:
+        stop_server(srv, t, eng)
+    assert status == 200 and nocache["usage"]["cached_tokens"] == 0
+    assert [a["probabilities"] for a in body["answers"]] == [a["probabilities"] for a in nocache["answers"]]
+
+
+def test_answers_do_not_depend_on_the_serving_mode():
+    reqs = [r for r in e2e_requests() if not r["id"].startswith("golden-img")][:10]
+    runs = {}
+    for mode, kw in (("serial", dict(serial=True)), ("nocache", dict(prefix_cache=False)), ("batched", {})):
+        srv, t, eng = demo_server(policy=dict(tau=0.8, cap=16), **kw)
+        try:
+            if mode == "batched":      # all at once: they share steps with each other
+                with concurrent.futures.ThreadPoolExecutor(len(reqs)) as ex:
+                    runs[mode] = list(ex.map(lambda r: http_call(srv, body=r)[1], reqs))
+            else:
+                runs[mode] = [http_call(srv, body=r)[1] for r in reqs]
+        finally:
+            stop_server(srv, t, eng)
+    for mode in ("nocache", "batched"):
+        for a, b in zip(runs["serial"], runs[mode]):
+            for qa, qb in zip(a["answers"], b["answers"]):
+                assert qa["answer"] == qb["answer"] and qa["stop"] == qb["stop"]
+                assert qa["reasoning_tokens"] == qb["reasoning_tokens"]
+                assert np.abs(np.array(qa["probabilities"]) - qb["probabilities"]).max() <= 1e-6
+
+
+def test_bad_images_are_named_and_disturb_nothing(demo_http):
+    good = {"questions": [{"text": "Which?", "choices": ["x", "y"]}]}
+    png = png_of(np.random.default_rng(1), 30, 20)
+    bad = {"corrupt": os.urandom(300), "truncated": png[:len(png) // 2],
+           "unsupported": b"BM" + os.urandom(200), "oversized": png_header_only(9000, 9000)}
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        goods = [ex.submit(http_call, demo_http, body=good) for _ in range(4)]
+        for name, data in bad.items():
+            r = {"questions": [{"text": "What?", "type": "boolean",
+                                "images": [{"data": base64.b64encode(data).decode()}]}]}
+            status, body = http_call(demo_http, body=r)
+            assert status == 422 and body["error"]["field"] == "questions[0].images[0]", (name, body)
+        assert all(f.result()[0] == 200 for f in goods)
+
+
+def test_multipart_image_request(demo_http):
+    png = png_of(np.random.default_rng(4), 48, 32)
+    boundary = "span02boundary"
+    req = {"images": [{"asset": "photo"}], "questions": [{"text": "Describe?", "choices": ["dark", "light"]}]}
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"request\"\r\n"
+            f"Content-Type: application/json\r\n\r\n{json.dumps(req)}\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"photo\"; filename=\"p.png\"\r\n"
+            f"Content-Type: image/png\r\n\r\n").encode() + png + f"\r\n--{boundary}--\r\n".encode()
+    status, out = http_call(demo_http, body=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 200 and out["usage"]["images"] == 1
+    check_answers(out, req)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port, proc, timeout=60):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server not ready")
+
+
+def test_sigterm_under_load_finishes_in_flight_and_exits_0():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "span02.py"), "--bind", f"127.0.0.1:{port}",
+                             "--cap", "48", "--tau", "2"], stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(port, proc)
+        req = json.dumps({"questions": [{"text": f"Q{k}?", "type": "boolean"} for k in range(4)]}).encode()
+
+        def call():
+            rq = urllib.request.Request(f"http://127.0.0.1:{port}/v1/systemone", data=req,
+                                        headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(rq, timeout=60) as r:
+                return r.status, json.loads(r.read())
+
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            futs = [ex.submit(call) for _ in range(6)]
+            time.sleep(0.5)                       # requests are in flight (each thinks 48 tokens x 4)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(OSError):          # new connections are refused
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            results = [f.result() for f in futs]
+        assert all(s == 200 and len(b["answers"]) == 4 for s, b in results)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_readme_examples_work():
+    """The README's curl and Python client examples, run against `python span02.py`."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    py = re.search(r"```python\n(# client.*?)```", readme, re.S).group(1)
+    sh = re.search(r"```sh\n(curl .*?)```", readme, re.S).group(1)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "span02.py"), "--bind", f"127.0.0.1:{port}"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(port, proc)
+        out = subprocess.run([sys.executable, "-c", py.replace("8000", str(port))], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and "answer" in out.stdout, out.stderr
+        out = subprocess.run(["bash", "-c", sh.replace("8000", str(port))], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and json.loads(out.stdout)["answers"], out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--regen-golden"]:
+        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+        with open(GOLDEN, "w") as f:
+            json.dump(golden_responses(), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        print(f"wrote {GOLDEN}")
