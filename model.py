@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from checkpoint import Checkpoint, quantize_checkpoint
-from config import ModelConfig, load_model_config
+from config import ConfigError, ModelConfig, load_model_config
 from layers import attention, embed, moe
 from layers.attention import BLOCK
 from layers.mlp import gated_mlp
@@ -185,7 +185,7 @@ class Model:
 def load(model_dir, device="cpu", kv_tokens=1 << 16, quantize=False) -> Model:
     """Load a model directory (config.json, safetensors, tokenizer) on a backend: "cpu" (numpy reference)."""
     if device not in ("cpu", "auto"):
-        raise NotImplementedError(f"device {device!r}: only the cpu backend exists in this build")
+        raise ConfigError(f"device {device!r}: only the cpu backend exists in this build (the GPU backend is not built yet)")
     cfg = load_model_config(model_dir)
     ck = Checkpoint(model_dir)
     if quantize:
