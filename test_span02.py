@@ -2631,7 +2631,7 @@ def _wait_ready(port, proc, timeout=60):
 def test_sigterm_under_load_finishes_in_flight_and_exits_0():
     port = _free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "span02.py"), "--bind", f"127.0.0.1:{port}",
-                             "--cap", "48", "--tau", "2"], stderr=subprocess.PIPE, text=True)
+                             "--cap", "300", "--tau", "2"], stderr=subprocess.PIPE, text=True)
     try:
         _wait_ready(port, proc)
         req = json.dumps({"questions": [{"text": f"Q{k}?", "type": "boolean"} for k in range(4)]}).encode()
@@ -2644,7 +2644,8 @@ def test_sigterm_under_load_finishes_in_flight_and_exits_0():
 
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(call) for _ in range(6)]
-            time.sleep(0.5)                       # requests are in flight (each thinks 48 tokens x 4)
+            time.sleep(0.5)                       # requests are in flight (each thinks 300 tokens x 4)
+            assert not any(f.done() for f in futs)
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             with pytest.raises(OSError):          # new connections are refused
