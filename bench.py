@@ -1,0 +1,168 @@
+"""The GPU benchmark (performance.md). This first part writes the full-size random checkpoint.
+
+    python bench.py write DIR [--layers N]     a random span-02 checkpoint with the real 26B-A4B geometry
+
+The checkpoint is in the span-02 format (checkpoint.md): per-expert NVFP4 experts (compressed-tensors),
+per-channel FP8 attention and dense MLP, bf16 embeddings, norms, router and vision tower, sharded one
+file per layer with an index, as transformers writes large checkpoints. Values are random but valid
+(no NaN/Inf codes) and of realistic magnitude, drawn as raw bit patterns so that writing ~16 GB takes
+about as long as the disk needs, not minutes of float math.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from checkpoint import save_safetensors, span02_quantization_config
+
+FULL_TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+                 num_global_key_value_heads=2, sliding_window=1024, attention_k_eq_v=True, enable_moe_block=True,
+                 num_experts=128, top_k_experts=8, moe_intermediate_size=704, final_logit_softcapping=30.0,
+                 hidden_size_per_layer_input=0, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                 max_position_embeddings=262144, use_bidirectional_attention="vision", tie_word_embeddings=True,
+                 pad_token_id=0, bos_token_id=2, eos_token_id=[1, 106], model_type="gemma4_text",
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                     "rope_theta": 1000000.0}})
+FULL_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                   num_key_value_heads=16, head_dim=72, patch_size=16, pooling_kernel_size=3,
+                   position_embedding_size=10240, standardize=True, use_clipped_linears=False, rms_norm_eps=1e-6,
+                   hidden_activation="gelu_pytorch_tanh", model_type="gemma4_vision",
+                   rope_parameters={"rope_type": "axial", "rope_theta": 100.0})
+
+
+# --- random values as bit patterns ---------------------------------------------------------------------
+
+def _bf16(rng, shape, exp_lo=0x75, exp_hi=0x7A):
+    """bf16 with random sign and mantissa, exponent in [exp_lo, exp_hi): magnitudes 2^-10 .. 2^-5 by default."""
+    n = int(np.prod(shape))
+    bits = (rng.integers(0, 1 << 16, n, dtype=np.uint16) & np.uint16(0x807F)) | \
+        (rng.integers(exp_lo, exp_hi, n, dtype=np.uint16) << np.uint16(7))
+    import ml_dtypes
+    return bits.view(ml_dtypes.bfloat16).reshape(shape)
+
+
+def _near_one(rng, n):
+    import ml_dtypes
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(ml_dtypes.bfloat16)
+
+
+def _fp8(rng, n, k):
+    """e4m3 weights with codes 0x20..0x4F (|w| in 2^-4 .. 2^2), random sign; per-channel bf16 scale ~k^-0.5/2."""
+    import ml_dtypes
+    codes = rng.integers(0x20, 0x50, (n, k), dtype=np.uint8) | (rng.integers(0, 2, (n, k), dtype=np.uint8) << 7)
+    scale = np.full((n, 1), 0.5 * k ** -0.5, np.float32).astype(ml_dtypes.bfloat16)
+    return codes.view(ml_dtypes.float8_e4m3fn), scale
+
+
+def _nvfp4(rng, e_rows, k):
+    """(packed (N, K/2) u8 any nibbles, block scales (N, K/16) e4m3 codes 0x30..0x3F, global scale (1,) f32)."""
+    import ml_dtypes
+    packed = rng.integers(0, 256, (e_rows, k // 2), dtype=np.uint8)
+    scale = rng.integers(0x30, 0x40, (e_rows, k // 16), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    return packed, scale, np.array([6.0 * k ** 0.5], np.float32)   # |w| ~ e2m1 * ~0.5 / g
+
+
+# --- the writer ------------------------------------------------------------------------------------------
+
+def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
+    """Write the full-size random span-02 checkpoint (config.json, shards, index; tokenizer from the demo
+    is NOT included: the bench feeds token ids). Returns the total bytes written."""
+    os.makedirs(out_dir, exist_ok=True)
+    text = dict(FULL_TEXT, num_hidden_layers=layers)
+    types = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
+    text["layer_types"] = types
+    rng = np.random.default_rng(seed)
+    p = "model.language_model."
+    H, I, E, Ie, V = 2816, 2112, 128, 704, 262144
+    index, total, t0 = {}, 0, time.time()
+
+    def shard(name, tensors):
+        nonlocal total
+        save_safetensors(os.path.join(out_dir, name), tensors)
+        for k in tensors:
+            index[k] = name
+        total += sum(a.nbytes for a in tensors.values())
+
+    shard("model-embed.safetensors", {p + "embed_tokens.weight": _bf16(rng, (V, H), 0x77, 0x7A),
+                                      p + "norm.weight": _near_one(rng, H)})
+    for i, lt in enumerate(types):
+        q, full, t = f"{p}layers.{i}.", lt == "full_attention", {}
+        d, kv = (512, 2) if full else (256, 8)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                  "pre_feedforward_layernorm_2"):
+            t[f"{q}{n}.weight"] = _near_one(rng, H)
+        dense = [("self_attn.q_proj", 16 * d, H), ("self_attn.k_proj", kv * d, H), ("self_attn.o_proj", H, 16 * d),
+                 ("mlp.gate_proj", I, H), ("mlp.up_proj", I, H), ("mlp.down_proj", H, I)]
+        if not full:
+            dense.append(("self_attn.v_proj", kv * d, H))
+        for name, n, k in dense:
+            t[f"{q}{name}.weight"], t[f"{q}{name}.weight_scale"] = _fp8(rng, n, k)
+        t[q + "self_attn.q_norm.weight"], t[q + "self_attn.k_norm.weight"] = _near_one(rng, d), _near_one(rng, d)
+        t[q + "router.proj.weight"] = _bf16(rng, (E, H), 0x78, 0x7B)
+        t[q + "router.scale"], t[q + "router.per_expert_scale"] = _near_one(rng, H), _near_one(rng, E)
+        t[q + "layer_scalar"] = np.array([0.8], np.float32).astype(_near_one(rng, 1).dtype)
+        for e in range(E):
+            g = None
+            for name, n, k in (("gate_proj", Ie, H), ("up_proj", Ie, H), ("down_proj", H, Ie)):
+                packed, scale, gs = _nvfp4(rng, n, k)
+                if name == "up_proj":
+                    gs = g                                    # gate and up share one global scale
+                g = gs
+                t[f"{q}experts.{e}.{name}.weight_packed"] = packed
+                t[f"{q}experts.{e}.{name}.weight_scale"] = scale
+                t[f"{q}experts.{e}.{name}.weight_global_scale"] = gs
+        shard(f"model-layer{i:02d}.safetensors", t)
+        log(f"layer {i}: {total / 2**30:.2f} GiB written, {time.time() - t0:.1f} s")
+    cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+           "vision_config": FULL_VISION if vision else None, "audio_config": None, "image_token_id": 258880,
+           "boi_token_id": 255999, "eoi_token_id": 258882, "video_token_id": 258884, "audio_token_id": 258881,
+           "tie_word_embeddings": True, "quantization_config": span02_quantization_config(p)}
+    if vision:
+        v, t, Hv, Iv = "model.vision_tower.", {}, 1152, 4304
+        t[v + "patch_embedder.input_proj.weight"] = _bf16(rng, (Hv, 768))
+        t[v + "patch_embedder.position_embedding_table"] = _bf16(rng, (2, 10240, Hv))
+        t[v + "std_bias"], t[v + "std_scale"] = _bf16(rng, (Hv,)), _near_one(rng, Hv)
+        for i in range(27):
+            q = f"{v}encoder.layers.{i}."
+            for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm"):
+                t[f"{q}{n}.weight"] = _near_one(rng, Hv)
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                t[f"{q}self_attn.{n}.linear.weight"] = _bf16(rng, (Hv, Hv))
+            t[q + "self_attn.q_norm.weight"], t[q + "self_attn.k_norm.weight"] = _near_one(rng, 72), _near_one(rng, 72)
+            t[q + "mlp.gate_proj.linear.weight"] = _bf16(rng, (Iv, Hv))
+            t[q + "mlp.up_proj.linear.weight"] = _bf16(rng, (Iv, Hv))
+            t[q + "mlp.down_proj.linear.weight"] = _bf16(rng, (Hv, Iv))
+        t["model.embed_vision.embedding_projection.weight"] = _bf16(rng, (H, Hv))
+        shard("model-vision.safetensors", t)
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, f, indent=1)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    log(f"wrote {total / 2**30:.2f} GiB in {time.time() - t0:.1f} s to {out_dir}")
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write", help="write the full-size random span-02 checkpoint")
+    w.add_argument("dir")
+    w.add_argument("--layers", type=int, default=30)
+    w.add_argument("--no-vision", action="store_true")
+    ns = ap.parse_args(argv)
+    if ns.cmd == "write":
+        write_random_checkpoint(ns.dir, ns.layers, vision=not ns.no_vision)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
