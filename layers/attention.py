@@ -72,3 +72,171 @@ def gather(pool, table, start, stop):
 
 def scatter(pool, table, positions, rows):
     pool[np.asarray(table)[positions // BLOCK], positions % BLOCK] = rows
+
+
+# --- GPU ---
+# Launchers for kernels_ptx/attention.cu (its header states the arithmetic and why a query's output bytes do
+# not depend on the launch: fixed 64-key chunks at absolute positions, folded in increasing order). Thin:
+# check shapes and dtypes, size the grid, launch. `g` is a gpu.GPU; arrays are gpu.DeviceArray.
+ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attention.cu)
+ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
+
+
+def _need(a, shape, dtype, name):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bf16" else np.dtype(dtype)
+    if a.dtype != dt:
+        raise ValueError(f"{name}: dtype {a.dtype}, expected {dt}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+def _row_src(g, a, T, heads, D, name):
+    """(pointer, row stride in elements) of a (T, heads*D) bf16 input: a dense DeviceArray (T, heads, D) or
+    (T, heads*D), or a (DeviceArray-or-gpu.ptr, row_stride) pair for a slice of a wider (fused) buffer."""
+    if isinstance(a, tuple):
+        return a[0], int(a[1])
+    if a.size != T * heads * D or a.shape[0] != T:
+        raise ValueError(f"{name}: shape {a.shape}, expected ({T}, {heads}, {D})")
+    _need(a, a.shape, "bf16", name)
+    return a, heads * D
+
+
+def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, eps, q_out, k_out, v_out,
+                 kv=None):
+    """q = rope(q_norm(q_in)), k = rope(k_norm(k_in)), v = v_norm(v_in) (no weight, no rope) in one launch.
+    q_out (T, Hq, D) bf16; k_out / v_out (T, Hkv, D) bf16 or None (then kv is needed); inputs see `_row_src`
+    (v_in None: k=v layer, V = v_norm(raw k)); q_norm_w / k_norm_w (D,) bf16; inv_freq (D/2,) float32
+    (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
+    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2."""
+    T, Hq, D = q_out.shape
+    Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
+    if D % 64 or not 64 <= D <= 2048:
+        raise ValueError(f"head_dim {D}: a multiple of 64 up to 2048")
+    if k_out is None and kv is None:
+        raise ValueError("k_out / v_out None needs kv (the pools to write)")
+    _need(q_out, (T, Hq, D), "bf16", "q_out")
+    if k_out is not None:
+        _need(k_out, (T, Hkv, D), "bf16", "k_out")
+    if v_out is not None:
+        _need(v_out, (T, Hkv, D), "bf16", "v_out")
+    _need(q_norm_w, (D,), "bf16", "q_norm_w")
+    _need(k_norm_w, (D,), "bf16", "k_norm_w")
+    _need(inv_freq, (D // 2,), np.float32, "inv_freq")
+    _need(positions, (T,), np.int32, "positions")
+    k_pool = v_pool = rows_seq = tables = None
+    mb = 0
+    if kv is not None:
+        k_pool, v_pool, rows_seq, tables = kv
+        _need(k_pool, (k_pool.shape[0], BLOCK, Hkv, D), "bf16", "k_pool")
+        _need(v_pool, k_pool.shape, "bf16", "v_pool")
+        _need(rows_seq, (T,), np.int32, "rows_seq")
+        if len(tables.shape) != 2 or tables.dtype != np.int32:
+            raise ValueError(f"block_tables: int32 (S, max_blocks), got {tables.shape} {tables.dtype}")
+        mb = tables.shape[1]
+    qp, qs = _row_src(g, q_in, T, Hq, D, "q_in")
+    kp, ks = _row_src(g, k_in, T, Hkv, D, "k_in")
+    vp, vs = _row_src(g, k_in if v_in is None else v_in, T, Hkv, D, "v_in")
+    if T == 0:
+        return
+    f = g.module("attention").function("qk_norm_rope_bf16")
+    g.launch(f, grid=(T, Hq + 2 * Hkv, 1), block=(D // 2, 1, 1),
+             args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
+                   q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
+
+
+def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
+    """Scatter k, v (T, Hkv, D) bf16 into the pools (blocks, 16, Hkv, D): row t goes to position rows_pos[t]
+    of sequence rows_seq[t], i.e. pool row block_tables[seq, pos // 16] * 16 + pos % 16. Kernel kv_write_bf16."""
+    T, Hkv, D = k.shape
+    _need(k, (T, Hkv, D), "bf16", "k")
+    _need(v, (T, Hkv, D), "bf16", "v")
+    _need(k_pool, (k_pool.shape[0], BLOCK, Hkv, D), "bf16", "k_pool")
+    _need(v_pool, k_pool.shape, "bf16", "v_pool")
+    _need(rows_seq, (T,), np.int32, "rows_seq")
+    _need(rows_pos, (T,), np.int32, "rows_pos")
+    if len(block_tables.shape) != 2 or block_tables.dtype != np.int32:
+        raise ValueError(f"block_tables: int32 (S, max_blocks), got {block_tables.shape} {block_tables.dtype}")
+    if (Hkv * D) % 8:
+        raise ValueError("Hkv * D must be a multiple of 8")
+    if T == 0:
+        return
+    f = g.module("attention").function("kv_write_bf16")
+    g.launch(f, grid=(T, 1, 1), block=(128, 1, 1),
+             args=[k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables, block_tables.shape[1], Hkv * D])
+
+
+def attention_slots(max_keys):
+    """Chunk partials a row can need when its key range [lo, hi] holds at most max_keys keys."""
+    return (max_keys + ATTN_CHUNK - 1) // ATTN_CHUNK + 1
+
+
+def attention_work(g, rows, Hq, D, max_keys):
+    """Scratch (float32) for attention_gpu over `rows` rows: per (row, head, chunk slot) m, l and acc[D]."""
+    return g.empty((rows * Hq * attention_slots(max_keys) * (D + 2) + 4,), np.float32)
+
+
+def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
+                  max_keys=None, work=None):
+    """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax.
+    q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {256, 512}; rows_seq, rows_pos
+    (T,) int32: the row's sequence (index into block_tables / spans) and position; block_tables int32
+    (S, max_blocks); spans None or int32 (S, n_spans, 2) of (start, n) image blocks (n = 0: unused), used on
+    sliding layers only. Row (seq, p) sees keys [lo, hi]: lo = max(0, p - window + 1) if sliding else 0, hi = p,
+    or the end of p's image block (sliding). The keys must already be in the pools (kv_write_gpu first).
+    max_keys bounds hi - lo + 1 over the rows (default: window on sliding layers without spans, else the
+    table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN. work: float32 scratch
+    (attention_work); None allocates (and frees) one of at most ATTN_WORK_BYTES, so graph capture must pass
+    one sized for every row. Rows are processed in groups that fit the scratch: two kernels per group,
+    attn_partial_bf16_d{D} (grid (ceil(n / QT), Hkv, slots), block (32, G, QT)) and attn_combine_bf16."""
+    T, Hq, D = q.shape
+    NB, _, Hkv, _ = k_pool.shape
+    S, MB = block_tables.shape
+    if D not in (256, 512):
+        raise ValueError(f"head_dim {D}: attention kernels exist for 256 and 512")
+    if Hq % Hkv or Hq // Hkv > 16:
+        raise ValueError(f"Hq={Hq} Hkv={Hkv}: need Hkv | Hq and Hq / Hkv <= 16")
+    _need(q, (T, Hq, D), "bf16", "q")
+    _need(k_pool, (NB, BLOCK, Hkv, D), "bf16", "k_pool")
+    _need(v_pool, (NB, BLOCK, Hkv, D), "bf16", "v_pool")
+    _need(rows_seq, (T,), np.int32, "rows_seq")
+    _need(rows_pos, (T,), np.int32, "rows_pos")
+    _need(block_tables, (S, MB), np.int32, "block_tables")
+    _need(out, (T, Hq * D), "bf16", "out")
+    n_spans = 0
+    if spans is not None:
+        _need(spans, (S, spans.shape[1], 2), np.int32, "spans")
+        n_spans = spans.shape[1]
+    use_spans = spans if (sliding and n_spans) else None
+    if max_keys is None:
+        max_keys = min(MB * BLOCK, window) if (sliding and use_spans is None) else MB * BLOCK
+    slots = attention_slots(int(max_keys))
+    per_row = Hq * slots * (D + 2)                      # float32 scratch per row
+    if T == 0:
+        return
+    own = work is None
+    if own:
+        work = g.empty((max(1, min(T, ATTN_WORK_BYTES // (4 * per_row))) * per_row + 4,), np.float32)
+    if work.dtype != np.float32 or work.size < per_row + 4:
+        raise ValueError(f"work: float32 of at least {per_row} + 4 elements (attention_work)")
+    group = min(T, (work.size - 4) // per_row)
+    G = Hq // Hkv
+    fp = g.module("attention").function(f"attn_partial_bf16_d{D}")
+    fc = g.module("attention").function("attn_combine_bf16")
+    import gpu
+    ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
+    acc = gpu.ptr(work.ptr + 16 * ((group * Hq * slots * 2 + 3) // 4))  # (group, Hq, slots, D), 16 B aligned
+    try:
+        for row0 in range(0, T, group):
+            n = min(group, T - row0)
+            QT = max(1, min(16 // G, n))                  # rows per CTA (L1 sharing only; arithmetic per warp)
+            g.launch(fp, grid=((n + QT - 1) // QT, Hkv, slots), block=(32, G, QT),
+                     args=[q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans,
+                           int(window), int(bool(sliding)), row0, n, Hq, Hkv, slots, ml, acc])
+            g.launch(fc, grid=(n, Hq, 1), block=(128, 1, 1),
+                     args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
+                           row0, Hq, D, slots, out])
+    finally:
+        if own:
+            g.sync()                                     # the kernels must be done with it before the free
+            g.free(work)

@@ -29,3 +29,166 @@ def experts(y, weights, idx, gate_up, down):
         o = (gelu_tanh(gu[:, :inter]) * gu[:, inter:]) @ down[e].T
         np.add.at(out, tok, o * weights[tok, slot, None])
     return out
+
+
+# --- GPU ---
+# Device MoE (kernels_ptx/moe.cu): router_logits_bf16 + router_topk_f32 -> (weights (T, k) f32, idx (T, k) i32);
+# moe_group (stable counting sort of the T*k (token, slot) pairs by expert) -> moe_gate_up_nvfp4 -> moe_down_nvfp4
+# -> moe_combine_bf16. Each selected expert's weights are read once per call for all its tokens. Arithmetic:
+#   router: r = bf16(bf16(bf16(norm(h)) * scale) * H^-0.5) as transformers' bf16 model; logits fp32 (not
+#     rounded), softmax fp32, top-k ties -> lower index, weights = p / sum(top p) * per_expert_scale[idx].
+#   experts: q*s exact (f16), fp32 FMA over K in a fixed order; the global scale on the fp32 sum as
+#     (acc * mult) / div with (mult, div) = (1, g) for CT (the reference's q*s/g, one division) and (wsf2, 1) for
+#     ModelOpt; u = bf16(gelu_tanh(gate) * up) (fp32 math); o = bf16(down_acc * weight) (fp32 product, one
+#     rounding); out[t] = bf16(fp32 sum of the token's o rows in increasing expert index: the reference's order).
+import ml_dtypes  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bf16():
+    return BF16
+
+
+def _check(a, shape, dtype, name):
+    if tuple(a.shape) != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype):
+        raise ValueError(f"{name}: expected {tuple(shape)} {np.dtype(dtype)}, got {tuple(a.shape)} {np.dtype(a.dtype)}")
+
+
+def _global_pair(raw):
+    """LinearRaw nvfp4 -> (mult, div) f32 applied as (acc * mult) / div."""
+    g = np.float32(np.asarray(raw.global_scale, np.float32).reshape(()))
+    if raw.format == "nvfp4_ct":
+        return np.float32(1.0), g
+    if raw.format == "nvfp4_modelopt":
+        return g, np.float32(1.0)
+    raise ValueError(f"expert weight format {raw.format!r} is not NVFP4")
+
+
+def upload_experts(g, ck, layer_prefix, E, H, I, router=True):
+    """Stack the per-expert NVFP4 Linears `{prefix}experts.{e}.{gate,up,down}_proj` (or moe.experts.) of one layer
+    on the device. -> dict: gw, uw (E, I, H/2) u8; gs, us (E, I, H/16) u8 (e4m3 bytes); dw (E, H, I/2) u8;
+    ds (E, H, I/16) u8; gsc (E, 3, 2) f32 (mult, div) per gate/up/down; E, H, I; and, if router and present,
+    router_proj (E, H) bf16, router_scale (H,) bf16, router_pes (E,) f32."""
+    if H % 16 or I % 16:
+        raise ValueError(f"NVFP4 experts need H, I divisible by 16 (H={H}, I={I})")
+    p = layer_prefix if layer_prefix.endswith(".") else layer_prefix + "."
+    base = next((b for b in (p + "experts.", p + "moe.experts.") if ck.has(b + "0.gate_proj.weight_scale")), None)
+    if base is None:
+        raise ValueError(f"no per-expert NVFP4 experts under {p}experts. / {p}moe.experts.")
+    gw = np.empty((E, I, H // 2), np.uint8); uw = np.empty_like(gw)
+    gs = np.empty((E, I, H // 16), np.uint8); us = np.empty_like(gs)
+    dw = np.empty((E, H, I // 2), np.uint8); ds = np.empty((E, H, I // 16), np.uint8)
+    gsc = np.empty((E, 3, 2), np.float32)
+    for e in range(E):
+        for j, (name, shape, w, s) in enumerate((("gate_proj", (I, H), gw, gs), ("up_proj", (I, H), uw, us),
+                                                 ("down_proj", (H, I), dw, ds))):
+            raw = ck.linear_raw(f"{base}{e}.{name}", shape)
+            gsc[e, j] = _global_pair(raw)
+            w[e] = np.asarray(raw.weight).view(np.uint8)
+            s[e] = np.asarray(raw.scale).view(np.uint8)
+    out = dict(E=E, H=H, I=I, gw=g.upload(gw), uw=g.upload(uw), gs=g.upload(gs), us=g.upload(us),
+               dw=g.upload(dw), ds=g.upload(ds), gsc=g.upload(gsc))
+    if router and ck.has(p + "router.proj.weight"):
+        out.update(upload_router(g, ck.tensor(p + "router.proj.weight", (E, H)), ck.tensor(p + "router.scale", (H,)),
+                                 ck.tensor(p + "router.per_expert_scale", (E,))))
+    return out
+
+
+def upload_router(g, proj, scale, per_expert_scale):
+    """Router weights -> dict router_proj (E, H) bf16, router_scale (H,) bf16, router_pes (E,) f32."""
+    bf = _bf16()
+    return dict(router_proj=g.upload(np.asarray(proj, np.float32).astype(bf)),
+                router_scale=g.upload(np.asarray(scale, np.float32).astype(bf)),
+                router_pes=g.upload(np.asarray(per_expert_scale, np.float32)))
+
+
+def moe_workspace(g, T, E, k, H, I):
+    """Scratch for one MoE call of T tokens (reuse across layers / graph replays)."""
+    P = T * k
+    return dict(T=T, k=k, logits=g.empty((T, E), np.float32), offsets=g.empty((E + 1,), np.int32),
+                perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
+                u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()))
+
+
+def router_gpu(g, h, router, weights, idx, workspace, top_k, eps):
+    """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability)."""
+    T, H = h.shape
+    E = router["router_proj"].shape[0]
+    bf = _bf16()
+    _check(h, (T, H), bf, "h"); _check(router["router_proj"], (E, H), bf, "router_proj")
+    _check(weights, (T, top_k), np.float32, "weights"); _check(idx, (T, top_k), np.int32, "idx")
+    if H % 8 or E > 256 or not 1 <= top_k <= min(16, E):
+        raise ValueError(f"router: need H % 8 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
+    if router["router_proj"].ptr % 16:
+        raise ValueError("router_gpu: router_proj needs 16-byte alignment")
+    logits = workspace["logits"]
+    if logits.shape[0] < T or logits.shape[1] != E:
+        raise ValueError(f"workspace logits {logits.shape} too small for T={T}, E={E}")
+    m = g.module("moe")
+    g.launch(m.function("router_logits_bf16"), grid=((T + 3) // 4, (E + 3) // 4), block=(128,),
+             args=[h, router["router_proj"], router["router_scale"], logits, T, H, E, float(eps), float(H ** -0.5)],
+             shared=4 * H * 2)
+    g.launch(m.function("router_topk_f32"), grid=((T + 3) // 4,), block=(128,),
+             args=[logits, router["router_pes"], weights, idx, T, E, top_k])
+
+
+def _cap(T, K):
+    """Token-tile cap of the expert kernels: <= 8, <= T (a token hits an expert at most once), and the tile of
+    cap rows of K bf16 fits 48 KiB of dynamic shared memory. Powers of two only."""
+    c = 8
+    while c > 1 and (c > T or c * K * 2 > 48 * 1024):
+        c //= 2
+    return c
+
+
+def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6):
+    """x_normed (T, H) bf16 = pre_feedforward_layernorm_2(h); weights (T, k) f32, idx (T, k) i32 from router_gpu
+    (if weights is None they are computed here from h with experts' router arrays: pass top_k, eps, and
+    weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router."""
+    E, H, I = experts["E"], experts["H"], experts["I"]
+    T = x_normed.shape[0]
+    bf = _bf16()
+    if weights is None:
+        k = top_k
+        weights = workspace.setdefault("weights", g.empty((workspace["T"], k), np.float32))
+        idx = workspace.setdefault("idx", g.empty((workspace["T"], k), np.int32))
+        if weights.shape[0] != T:
+            weights = g.view(weights, 0, (T, k), np.float32)
+            idx = g.view(idx, 0, (T, k), np.int32)
+        router_gpu(g, h, experts, weights, idx, workspace, k, eps)
+    k = weights.shape[1]
+    P = T * k
+    if T == 0:
+        return out
+    _check(x_normed, (T, H), bf, "x_normed"); _check(out, (T, H), bf, "out")
+    _check(weights, (T, k), np.float32, "weights"); _check(idx, (T, k), np.int32, "idx")
+    if E > 256 or k > 16 or H % 16 or I % 16:
+        raise ValueError(f"moe: need E <= 256, k <= 16, H and I divisible by 16 (E={E}, k={k}, H={H}, I={I})")
+    if workspace["perm"].shape[0] < P or workspace["u"].shape[1] != I or workspace["o"].shape[1] != H:
+        raise ValueError(f"workspace too small for T={T}, k={k}, H={H}, I={I}")
+    if any(a.ptr % 16 for a in (x_normed, out)):
+        raise ValueError("moe_gpu: x_normed and out need 16-byte aligned rows")
+    m = g.module("moe")
+    ws = workspace
+    g.launch(m.function("moe_group"), grid=(1,), block=(1024,),
+             args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]])
+    gy = min(E, P)
+    cap_gu, cap_d = _cap(T, H), _cap(T, I)
+    g.launch(m.function("moe_gate_up_nvfp4"), grid=((I + 7) // 8, gy), block=(128,),
+             args=[x_normed, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["gw"], experts["gs"],
+                   experts["uw"], experts["us"], experts["gsc"], ws["u"], H, I, k, cap_gu],
+             shared=cap_gu * H * 2)
+    g.launch(m.function("moe_down_nvfp4"), grid=((H + 15) // 16, gy), block=(128,),
+             args=[ws["u"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["dw"], experts["ds"],
+                   experts["gsc"], weights, ws["o"], H, I, cap_d],
+             shared=cap_d * I * 2)
+    g.launch(m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
+             args=[ws["o"], idx, out, T, H, k, E])
+    return out
+
+
+def moe_bytes(E_active, H, I, router_E=None):
+    """Weight bytes one call reads: per active expert gate+up packed/scales + down packed/scales (+ router)."""
+    per = 2 * I * H // 2 + 2 * I * H // 16 + H * I // 2 + H * I // 16 + 3 * 8
+    return E_active * per + (router_E * H * 2 if router_E else 0)

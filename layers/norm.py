@@ -8,3 +8,36 @@ def rmsnorm(x, weight=None, eps=1e-6):
     x = x if x.dtype == np.float64 else x.astype(np.float32)
     y = x * np.power(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps), np.float32(-0.5))
     return y if weight is None else y * weight
+
+
+# --- GPU ---
+import ml_dtypes  # noqa: E402
+
+import gpu  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def rmsnorm_gpu(g, x, w, out, eps, add=None, scale=None, ld_x=None, ld_out=None):
+    """out = rmsnorm(x) [* w] in bf16; with add: out = add + that; with scale too: (add + that) * scale.
+    x, out, add: bf16 (T, n) rows, or (T, G, n) for a per-head norm (G heads of width n per token); ld_x /
+    ld_out: elements between tokens when x / out (and add) are column slices of wider rows (default G*n).
+    w: bf16 (n,) or None (no-scale). out may alias x or add. The thread layout depends on n only."""
+    shape = x.shape
+    n, heads = shape[-1], (shape[-2] if len(shape) >= 3 else 1)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    ld_x, ld_out = ld_x or heads * n, ld_out or heads * n
+    assert x.dtype == out.dtype == BF16 and out.shape == shape, (x, out)
+    assert w is None or (w.dtype == BF16 and w.shape == (n,)), w
+    assert add is None or (add.dtype == BF16 and add.shape == shape), add
+    assert scale is None or add is not None, "scale needs add"
+    vec = 8 if n % 8 == 0 else 1                          # from n only, so the reduction order is fixed by n
+    if vec == 8 and (ld_x % 8 or ld_out % 8 or any(a.ptr % 16 for a in (x, w, out, add) if a is not None)):
+        raise ValueError("rmsnorm_gpu: n % 8 == 0 needs 16-byte aligned rows")
+    tpr = min(1024, -(-(n // vec) // 32) * 32)            # threads per row: one vector each, up to 1024
+    rpb = max(1, 256 // tpr)                              # rows per block
+    f = g.module("elementwise").function("rmsnorm_bf16" if add is None else
+                                         "rmsnorm_add_bf16" if scale is None else "rmsnorm_add_scale_bf16")
+    args = [out, x, w] + ([] if add is None else [add]) + [rows, n, heads, gpu.i64(ld_x), gpu.i64(ld_out),
+                                                           float(eps)] + ([] if scale is None else [float(scale)])
+    g.launch(f, grid=(-(-rows // rpb), 1, 1), block=(tpr, rpb, 1), args=args + [vec])
