@@ -18,8 +18,9 @@ from prompt import make_demo_tokenizer
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 SEED = 20261130
 
+# head dims 64 / 128: the smallest the GPU attention kernels take (they exist for 64, 128, 256 and 512)
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                          "full_attention"],
             sliding_window=32, attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
