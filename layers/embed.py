@@ -74,7 +74,8 @@ def argmax_gpu(g, logits, out, work):
 
 def readout_gpu(g, logits, keys, lse, keys_out, work):
     """For each row of logits (T, V) fp32: lse (T,) fp32 = logsumexp over V, keys_out (T, K) fp32 = the logits
-    at keys (K,) int32 (the option-key token ids). The host gets softmax(keys_out) and mass = sum exp(keys_out - lse)."""
+    at keys (K,) int32 (the option-key token ids). The host takes softmax(keys_out) and
+    mass = sum exp(keys_out - lse)."""
     T, V, C = _head_pass1(g, "lse_partial_f32", logits, work)
     (K,) = keys.shape
     assert keys.dtype == np.int32 and lse.dtype == keys_out.dtype == np.float32, (keys, lse, keys_out)

@@ -1,0 +1,307 @@
+"""The CUDA driver runtime on cuda-python (cuda.bindings.driver): the primary context of device 0, one
+non-blocking stream, device buffers, PTX modules from kernels_ptx/, kernel launch, CUDA graphs, events.
+
+Everything runs on the one stream `g.stream`, so work is ordered; the host waits only in `download`,
+`sync` and `elapsed_ms`. Every driver result goes through `check`. Buffers are freed explicitly
+(`a.close()`, `g.free(a)`, or all at once by `g.close()`): a captured graph keeps raw pointers, so memory
+must never vanish behind its back through garbage collection.
+
+    g = GPU(); x = g.upload(np_array); f = g.module("elementwise").function("rmsnorm_bf16")
+    g.launch(f, grid=(T, 1, 1), block=(256, 1, 1), args=[out, x, None, T, 2816, 1e-6])
+    g.capture_begin(); ...launches...; graph = g.capture_end(); graph.replay(); y = g.download(out)
+"""
+import ctypes
+import os
+
+import numpy as np
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError:                       # no cuda-python: available() says False, GPU() cannot be made
+    cu = None
+
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_ptx")
+
+
+class CudaError(RuntimeError):
+    """A driver call failed: `name` is the CUresult name (CUDA_ERROR_...), `call` what was being done."""
+
+    def __init__(self, name, call, detail=""):
+        self.name, self.call = name, call
+        super().__init__(f"{call}: {name}" + (f"\n{detail}" if detail else ""))
+
+
+def check(result, call="cuda call"):
+    """Unwrap a cuda-python result tuple (CUresult, *values): raise CudaError on failure, else return the one
+    value, a tuple of several, or None."""
+    err, vals = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != cu.CUresult.CUDA_SUCCESS:
+        try:
+            e, name = cu.cuGetErrorName(err)
+            name = name.decode() if e == cu.CUresult.CUDA_SUCCESS else str(err)
+        except Exception:                 # the name lookup itself failed: keep the raw code
+            name = str(err)
+        raise CudaError(name, call)
+    return None if not vals else vals[0] if len(vals) == 1 else vals
+
+
+def available():
+    """True when cuda-python, the driver library and at least one device are present. Never raises."""
+    if cu is None:
+        return False
+    try:
+        check(cu.cuInit(0), "cuInit")
+        return check(cu.cuDeviceGetCount(), "cuDeviceGetCount") > 0
+    except Exception:                     # DynamicLibNotFoundError without libcuda, CudaError without a device
+        return False
+
+
+class i64(int):
+    """A kernel argument passed as int64 (a plain python int goes as int32)."""
+
+
+class ptr(int):
+    """A raw device address passed as a pointer argument."""
+
+
+class DeviceArray:
+    """A device buffer: ptr (int address), shape, dtype, nbytes. A view (`GPU.view`) shares its base's memory
+    and never frees it."""
+
+    def __init__(self, gpu, ptr_, shape, dtype, nbytes, base=None):
+        self.gpu, self.ptr, self.shape, self.dtype = gpu, ptr_, tuple(shape), np.dtype(dtype)
+        self.nbytes, self.base = nbytes, base
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def close(self):
+        if self.base is None and self.ptr:
+            self.gpu.free(self)
+
+    def __repr__(self):
+        return f"DeviceArray(0x{self.ptr:x}, {self.shape}, {self.dtype}{', view' if self.base is not None else ''})"
+
+
+class Function:
+    """A kernel of a loaded module. `max_shared` remembers the dynamic shared-memory limit set so far."""
+
+    def __init__(self, handle, name):
+        self.handle, self.name, self.max_shared = handle, name, 48 * 1024
+
+
+class Module:
+    def __init__(self, handle, name):
+        self.handle, self.name, self._functions = handle, name, {}
+
+    def function(self, name):
+        if name not in self._functions:
+            h = check(cu.cuModuleGetFunction(self.handle, name.encode()), f"cuModuleGetFunction {self.name}.{name}")
+            self._functions[name] = Function(h, f"{self.name}.{name}")
+        return self._functions[name]
+
+
+class Graph:
+    """An instantiated CUDA graph. `launches`: kernels launched while it was captured."""
+
+    def __init__(self, gpu, exec_, launches):
+        self.gpu, self.exec, self.launches = gpu, exec_, launches
+
+    def replay(self):
+        check(cu.cuGraphLaunch(self.exec, self.gpu.stream), "cuGraphLaunch")
+
+    def close(self):
+        if self.exec is not None:
+            check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            self.exec = None
+
+
+class Event:
+    def __init__(self, handle):
+        self.handle = handle
+
+
+def _arg(a):
+    """One kernel argument as (value, ctypes type) for cuLaunchKernel's (values, types) form."""
+    if a is None:
+        return 0, ctypes.c_void_p                      # a null pointer (e.g. no norm weight)
+    if isinstance(a, DeviceArray):
+        return a.ptr, ctypes.c_void_p
+    if isinstance(a, ptr):
+        return int(a), ctypes.c_void_p
+    if isinstance(a, i64):
+        return int(a), ctypes.c_longlong
+    if isinstance(a, (float, np.floating)):
+        return float(a), ctypes.c_float
+    if isinstance(a, (int, np.integer)):
+        if not -2**31 <= int(a) < 2**31:
+            raise OverflowError(f"kernel argument {int(a)} does not fit int32; pass gpu.i64(v)")
+        return int(a), ctypes.c_int
+    raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+
+
+class GPU:
+    """The primary context of one device and one non-blocking stream; owns every buffer it allocates."""
+
+    def __init__(self, device=0):
+        check(cu.cuInit(0), "cuInit")
+        self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.bind()
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0")[0].decode()
+        attr = cu.CUdevice_attribute
+        self.capability = tuple(check(cu.cuDeviceGetAttribute(a, self.device), "cuDeviceGetAttribute") for a in (
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+        self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
+                              "cuDeviceGetAttribute")
+        self._modules = {}                 # name -> Module (cache)
+        self._live = {}                    # ptr -> nbytes of every allocation not yet freed
+        self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
+
+    check = staticmethod(check)
+
+    def bind(self):
+        """Make this device's primary context current in the calling thread (once per thread that uses it)."""
+        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    @property
+    def allocated_bytes(self):
+        return sum(self._live.values())
+
+    # --- memory ----------------------------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        """An uninitialised buffer (poison it with fill(a, 0xFF) in tests)."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        p = int(check(cu.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc {nbytes} bytes"))
+        self._live[p] = nbytes
+        return DeviceArray(self, p, shape, dtype, nbytes)
+
+    def free(self, a):
+        if a.base is not None:
+            raise ValueError("free of a view: free its base")
+        if a.ptr in self._live:
+            check(cu.cuMemFree(a.ptr), "cuMemFree")
+            del self._live[a.ptr]
+        a.ptr = 0
+
+    def view(self, a, offset_bytes, shape, dtype):
+        """A sub-array of `a` starting offset_bytes in, contiguous; no copy, never frees."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset_bytes < 0 or offset_bytes % dtype.itemsize or offset_bytes + nbytes > a.nbytes:
+            raise ValueError(f"view [{offset_bytes}, +{nbytes}) {dtype} does not fit in {a}")
+        return DeviceArray(self, a.ptr + offset_bytes, shape, dtype, nbytes, base=a if a.base is None else a.base)
+
+    def upload(self, array, out=None):
+        """Copy a host array to a new buffer, or into `out` (same nbytes). Asynchronous on the stream: the
+        driver stages pageable memory before returning, so `array` may be dropped at once."""
+        array = np.ascontiguousarray(array)
+        if out is None:
+            out = self.empty(array.shape, array.dtype)
+        elif out.nbytes != array.nbytes:
+            raise ValueError(f"upload of {array.nbytes} bytes into {out} ({out.nbytes} bytes)")
+        if array.nbytes:
+            check(cu.cuMemcpyHtoDAsync(out.ptr, array.ctypes.data, array.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        return out
+
+    def download(self, a, out=None):
+        """Copy a buffer to a new host array (or into `out`) and wait for it."""
+        out = np.empty(a.shape, a.dtype) if out is None else out
+        if not out.flags.c_contiguous or out.nbytes != a.nbytes:
+            raise ValueError(f"download of {a} into a host array of {out.nbytes} bytes")
+        if a.nbytes:
+            check(cu.cuMemcpyDtoHAsync(out.ctypes.data, a.ptr, a.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        self.sync()
+        return out
+
+    def copy(self, dst, src, nbytes=None):
+        """Device-to-device copy on the stream (capturable)."""
+        nbytes = src.nbytes if nbytes is None else nbytes
+        if nbytes > min(src.nbytes, dst.nbytes):
+            raise ValueError(f"copy of {nbytes} bytes from {src} to {dst}")
+        check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, self.stream), "cuMemcpyDtoDAsync")
+
+    def fill(self, a, byte):
+        """Set every byte of `a` to `byte` (0xFF poisons bf16/f32 to NaN)."""
+        check(cu.cuMemsetD8Async(a.ptr, int(byte) & 0xFF, a.nbytes, self.stream), "cuMemsetD8Async")
+
+    def sync(self):
+        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    # --- kernels ---------------------------------------------------------------------------------------
+    def module(self, name):
+        """kernels_ptx/<name>.ptx, JIT-compiled by the driver once and cached; the JIT log is in the error."""
+        if name not in self._modules:
+            with open(os.path.join(KERNELS, name + ".ptx"), "rb") as f:
+                image = f.read() + b"\0"
+            log = bytearray(16384)
+            opts = [cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, cu.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+            err, handle = cu.cuModuleLoadDataEx(image, len(opts), opts, [log, len(log)])
+            if err != cu.CUresult.CUDA_SUCCESS:
+                try:
+                    check((err,), f"cuModuleLoadDataEx {name}.ptx")
+                except CudaError as e:
+                    raise CudaError(e.name, e.call, bytes(log).split(b"\0")[0].decode(errors="replace")) from None
+            self._modules[name] = Module(handle, name)
+        return self._modules[name]
+
+    def launch(self, f, grid, block, args, shared=0):
+        """Launch kernel `f` on the stream. args: DeviceArray/ptr/None -> pointer, int -> int32,
+        i64 -> int64, float -> float32. shared: dynamic shared memory bytes (opted in above 48 KiB)."""
+        if shared > f.max_shared:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(f.handle, attr, shared), f"cuFuncSetAttribute {f.name} shared={shared}")
+            f.max_shared = shared
+        packed = [_arg(a) for a in args]
+        params = (tuple(v for v, _ in packed), tuple(t for _, t in packed))
+        grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        check(cu.cuLaunchKernel(f.handle, *grid, *block, shared, self.stream, params, 0),
+              f"cuLaunchKernel {f.name} grid={grid} block={block} shared={shared}")
+        if self._capture_launches is not None:
+            self._capture_launches += 1
+
+    # --- graphs and events -----------------------------------------------------------------------------
+    def capture_begin(self, global_mode=False):
+        """Start recording the stream's work into a graph. Thread-local mode by default: other threads may keep
+        using the driver (the HTTP thread never does); global mode forbids unsafe calls in every thread."""
+        mode = cu.CUstreamCaptureMode
+        check(cu.cuStreamBeginCapture(self.stream, mode.CU_STREAM_CAPTURE_MODE_GLOBAL if global_mode
+                                      else mode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+        self._capture_launches = 0
+
+    def capture_end(self):
+        """Stop recording; returns the instantiated Graph (the template graph is destroyed)."""
+        launches, self._capture_launches = self._capture_launches, None
+        graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
+        try:
+            exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        finally:
+            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+        return Graph(self, exec_, launches or 0)
+
+    def event(self):
+        return Event(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate"))
+
+    def record(self, ev):
+        check(cu.cuEventRecord(ev.handle, self.stream), "cuEventRecord")
+
+    def elapsed_ms(self, ev0, ev1):
+        """Milliseconds between two recorded events (waits for the second)."""
+        check(cu.cuEventSynchronize(ev1.handle), "cuEventSynchronize")
+        return check(cu.cuEventElapsedTime(ev0.handle, ev1.handle), "cuEventElapsedTime")
+
+    def close(self):
+        """Free every live buffer, unload the modules, release the stream and the primary context."""
+        self.sync()
+        for p in list(self._live):
+            check(cu.cuMemFree(p), "cuMemFree")
+        self._live.clear()
+        for m in self._modules.values():
+            check(cu.cuModuleUnload(m.handle), "cuModuleUnload")
+        self._modules.clear()
+        check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")
