@@ -88,7 +88,24 @@ def load_layer(ck, prefix, cfg, geo):
 
 # --- the model ---------------------------------------------------------------------------------------
 
-class Model:
+class StepTools:
+    """What both backends offer on top of `step`."""
+
+    def logits(self, token_ids, chunk=None, images=()) -> np.ndarray:
+        """Post-softcap logits of every position of one sequence, computed in chunks of `chunk` tokens (None:
+        one prefill). Uses blocks 0.. of the KV pool: for tools and tests, not while serving."""
+        ids = [int(t) for t in token_ids]
+        need = math.ceil(len(ids) / BLOCK)
+        if need > self.num_blocks:
+            raise ValueError(f"{len(ids)} tokens need {need} KV blocks; the pool has {self.num_blocks}")
+        table, chunk, out = tuple(range(need)), chunk or len(ids), []
+        for a in range(0, len(ids), chunk):
+            ims = tuple(im for im in images if a <= im.start < a + chunk)
+            out.append(self.step([SeqStep(tuple(ids[a:a + chunk]), a, table, logits=True, images=ims)])[0].logits)
+        return np.concatenate(out)
+
+
+class Model(StepTools):
     """A loaded model with its KV pools. `step` is the engine's entry; `logits` is for tools and tests."""
 
     def __init__(self, cfg: ModelConfig, ck, kv_tokens=1 << 16, name="model"):
@@ -168,26 +185,21 @@ class Model:
             m = rmsnorm(m, w["post_feedforward_layernorm_1"], eps) + rmsnorm(e, w["post_feedforward_layernorm_2"], eps)
         return (h + rmsnorm(m, w["post_feedforward_layernorm"], eps)) * w["layer_scalar"]
 
-    # Tools and tests: post-softcap logits of every position of one sequence, computed in chunks of
-    # `chunk` tokens (None: one prefill). Uses blocks 0.. of the pool: not for use while serving.
-    def logits(self, token_ids, chunk=None, images=()) -> np.ndarray:
-        ids = [int(t) for t in token_ids]
-        need = math.ceil(len(ids) / BLOCK)
-        if need > self.num_blocks:
-            raise ValueError(f"{len(ids)} tokens need {need} KV blocks; the pool has {self.num_blocks}")
-        table, chunk, out = tuple(range(need)), chunk or len(ids), []
-        for a in range(0, len(ids), chunk):
-            ims = tuple(im for im in images if a <= im.start < a + chunk)
-            out.append(self.step([SeqStep(tuple(ids[a:a + chunk]), a, table, logits=True, images=ims)])[0].logits)
-        return np.concatenate(out)
 
-
-def load(model_dir, device="cpu", kv_tokens=1 << 16, quantize=False) -> Model:
-    """Load a model directory (config.json, safetensors, tokenizer) on a backend: "cpu" (numpy reference)."""
-    if device not in ("cpu", "auto"):
-        raise ConfigError(f"device {device!r}: only the cpu backend exists in this build (the GPU backend is not built yet)")
+def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
+    """Load a model directory (config.json, safetensors) on a backend: "cpu" (the numpy reference), "gpu"
+    (model_gpu.GpuModel), or "auto" (the GPU when there is one)."""
+    import gpu
+    if device == "auto":
+        device = "gpu" if gpu.available() else "cpu"
+    if device == "gpu" and not gpu.available():
+        raise ConfigError("--device gpu: no CUDA GPU or driver found")
     cfg = load_model_config(model_dir)
     ck = Checkpoint(model_dir)
     if quantize:
         ck = quantize_checkpoint(ck)
-    return Model(cfg, ck, kv_tokens=kv_tokens, name=model_dir.rstrip("/").split("/")[-1])
+    name = model_dir.rstrip("/").split("/")[-1]
+    if device == "gpu":
+        from model_gpu import GpuModel
+        return GpuModel(cfg, ck, kv_tokens=kv_tokens, name=name, **gpu_kw)
+    return Model(cfg, ck, kv_tokens=kv_tokens, name=name)

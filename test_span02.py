@@ -2400,6 +2400,7 @@ from engine import Engine
 from prompt import Prompter
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+E2E_DEVICE = os.environ.get("SPAN02_TEST_DEVICE", "cpu")    # "gpu": the end-to-end tests on the GPU backend
 GOLDEN = os.path.join(ROOT, "golden", "responses.json")
 E2E_DOC = ("The harbour office logs every ship. The Albatross arrived at dawn with grain; the Heron left at noon "
            "for the islands, and the Osprey is held in dock for repairs to her rudder until Friday.")
@@ -2410,7 +2411,7 @@ def demo_server(**kw):
     policy = PolicyConfig(**kw.pop("policy", {}))
     cfg = EngineConfig(model_dir=span02.DEMO_DIR, kv_tokens=kw.pop("kv_tokens", 16384), policy=policy,
                        image_soft_tokens=kw.pop("image_soft_tokens", 70), **kw)
-    m = model_mod.load(span02.DEMO_DIR, kv_tokens=cfg.kv_tokens)
+    m = model_mod.load(span02.DEMO_DIR, device=E2E_DEVICE, kv_tokens=cfg.kv_tokens)
     eng = Engine(m, Prompter(span02.DEMO_DIR), cfg, encode_image=m.encode_image)
     eng.start()
     srv, t = start_wire(eng, cfg)
@@ -2514,6 +2515,7 @@ def golden_responses():
         stop_server(srv, t, eng)
 
 
+@pytest.mark.skipif(E2E_DEVICE != "cpu", reason="the golden responses are the CPU backend's numbers")
 def test_golden_responses():
     """Regenerate with: python test_span02.py --regen-golden"""
     with open(GOLDEN) as f:

@@ -302,3 +302,17 @@ extern "C" __global__ void readout_final_f32(const float* __restrict__ work, con
         keys_out[(size_t)t * K + k] = (id >= 0 && id < V) ? logits[(size_t)t * V + id] : __int_as_float(0x7fffffff);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// gelu_mul_bf16: the dense MLP's gate: out[i] = bf16( bf16(gelu_tanh(gate[i])) * up[i] ), as transformers'
+// bf16 model computes act_fn(gate_proj(x)) * up_proj(x) (the activation rounds to bf16, then the product).
+// Flat over n = T * I elements; each element is independent, so batching cannot change a byte.
+extern "C" __global__ void gelu_mul_bf16(bf16* __restrict__ out, const bf16* __restrict__ gate,
+                                         const bf16* __restrict__ up, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = bf16_to_f32(reinterpret_cast<const uint16_t*>(gate)[i]);
+    float a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    float u = bf16_to_f32(reinterpret_cast<const uint16_t*>(up)[i]);
+    reinterpret_cast<uint16_t*>(out)[i] = f32_to_bf16(round_bf16(a) * u);
+}

@@ -44,8 +44,8 @@ extern "C" __global__ void __launch_bounds__(128) router_logits_bf16(
     float* __restrict__ logits,        // (T, E)
     int T, int H, int E, float eps, float root)
 {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    bf16* r = (bf16*)smem_raw;                                   // (RT, H)
+    extern __shared__ __align__(16) unsigned char smem_r[];
+    bf16* r = (bf16*)smem_r;                                   // (RT, H)
     __shared__ float rinv[RT];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t0 = blockIdx.x * RT;
@@ -355,11 +355,14 @@ __device__ __forceinline__ void nvfp4_dot(const uint8_t* const (&wr)[R], const u
 
 // global scale, per expert per projection: gsc[(e*3 + proj)*2 + {0,1}] = (mult, div);
 // CT: (1, weight_global_scale) -> acc / g ; ModelOpt: (weight_scale_2, 1) -> acc * wsf2. One rounding each.
-__device__ __forceinline__ float apply_global(float acc, const float* g2) { return (acc * g2[0]) / g2[1]; }
+// explicit _rn intrinsics below: no FMA contraction, so every template variant rounds identically
+__device__ __forceinline__ float apply_global(float acc, const float* g2) { return __fdiv_rn(__fmul_rn(acc, g2[0]), g2[1]); }
 
 __device__ __forceinline__ float gelu_tanh_f(float x) {
     const float c = 0.7978845608028654f;   // sqrt(2/pi)
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+    const float x3 = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x);      // numpy's ((0.044715*x)*x)*x
+    const float t = tanhf(__fmul_rn(c, __fadd_rn(x, x3)));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -380,13 +383,14 @@ __device__ __forceinline__ void gate_up_tile(const bf16* xs, int q0, int n0, int
             const float g0 = apply_global(acc[0][t], gg), g1 = apply_global(acc[1][t], gg);
             const float u0 = apply_global(acc[2][t], gu), u1 = apply_global(acc[3][t], gu);
             bf16* row = u + (size_t)(q0 + t) * I;
-            row[n0] = __float2bfloat16_rn(gelu_tanh_f(g0) * u0);
-            if (n1 != n0) row[n1] = __float2bfloat16_rn(gelu_tanh_f(g1) * u1);
+            row[n0] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(g0), u0));
+            if (n1 != n0) row[n1] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(g1), u1));
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_gate_up_nvfp4(
+template <int CAP>
+__device__ __forceinline__ void gate_up_body(
     const bf16* __restrict__ x,          // (T, H) pre_feedforward_layernorm_2(h)
     const int* __restrict__ offsets,     // (E+1,)
     const int* __restrict__ perm,        // (P,)
@@ -400,8 +404,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_nvfp4(
     bf16* __restrict__ u,                // (P, I) grouped order
     int H, int I, int k, int cap)
 {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    bf16* xs = (bf16*)smem_raw;                                  // (cap, H)
+    cap = min(cap, CAP);
+    extern __shared__ __align__(16) unsigned char smem_gu[];
+    bf16* xs = (bf16*)smem_gu;                                  // (cap, H)
     const int j = blockIdx.y;
     if (j >= n_active[0]) return;
     const int e = active[j];
@@ -430,9 +435,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_gate_up_nvfp4(
         }
         __syncthreads();
         if (live) {
-            if (tm == 8) gate_up_tile<8>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-            else if (tm == 4) gate_up_tile<4>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-            else if (tm == 2) gate_up_tile<2>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
+            if (CAP >= 8 && tm == 8) gate_up_tile<(CAP >= 8 ? 8 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
+            else if (CAP >= 4 && tm == 4) gate_up_tile<(CAP >= 4 ? 4 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
+            else if (CAP >= 2 && tm == 2) gate_up_tile<(CAP >= 2 ? 2 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
             else gate_up_tile<1>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
         }
         q0 += tm;
@@ -458,12 +463,13 @@ __device__ __forceinline__ void down_tile(const bf16* us_, int q0, const int (&n
             bf16* row = o + (size_t)p * H;
             #pragma unroll
             for (int r = 0; r < 4; ++r)
-                if (r == 0 || n[r] != n[r - 1]) row[n[r]] = __float2bfloat16_rn(apply_global(acc[r][t], gd) * w);
+                if (r == 0 || n[r] != n[r - 1]) row[n[r]] = __float2bfloat16_rn(__fmul_rn(apply_global(acc[r][t], gd), w));
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) moe_down_nvfp4(
+template <int CAP>
+__device__ __forceinline__ void down_body(
     const bf16* __restrict__ u,          // (P, I) grouped order
     const int* __restrict__ offsets,     // (E+1,)
     const int* __restrict__ perm,        // (P,)
@@ -476,8 +482,9 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_nvfp4(
     bf16* __restrict__ o,                // (P, H) pair order
     int H, int I, int cap)
 {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    bf16* xs = (bf16*)smem_raw;                                  // (cap, I)
+    cap = min(cap, CAP);
+    extern __shared__ __align__(16) unsigned char smem_dn[];
+    bf16* xs = (bf16*)smem_dn;                                  // (cap, I)
     const int j = blockIdx.y;
     if (j >= n_active[0]) return;
     const int e = active[j];
@@ -504,14 +511,41 @@ extern "C" __global__ void __launch_bounds__(128) moe_down_nvfp4(
         }
         __syncthreads();
         if (live) {
-            if (tm == 8) down_tile<8>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-            else if (tm == 4) down_tile<4>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-            else if (tm == 2) down_tile<2>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
+            if (CAP >= 8 && tm == 8) down_tile<(CAP >= 8 ? 8 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
+            else if (CAP >= 4 && tm == 4) down_tile<(CAP >= 4 ? 4 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
+            else if (CAP >= 2 && tm == 2) down_tile<(CAP >= 2 ? 2 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
             else down_tile<1>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
         }
         q0 += tm;
     }
 }
+
+// Entry points: the token-tile cap is a compile-time bound too, so the decode variants (_c1: T == 1) carry
+// only the 1-row tile and fewer registers. The per-row arithmetic is the same in every variant (the tile
+// size only changes how many rows share the weight loads), so results do not depend on the variant.
+#define GATE_UP_ENTRY(NAME, CAP) \
+extern "C" __global__ void __launch_bounds__(128) NAME( \
+    const bf16* __restrict__ x, const int* __restrict__ offsets, const int* __restrict__ perm, \
+    const int* __restrict__ active, const int* __restrict__ n_active, const uint8_t* __restrict__ gw, \
+    const uint8_t* __restrict__ gs, const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, \
+    const float* __restrict__ gsc, bf16* __restrict__ u, int H, int I, int k, int cap) { \
+    gate_up_body<CAP>(x, offsets, perm, active, n_active, gw, gs, uw, us, gsc, u, H, I, k, cap); }
+GATE_UP_ENTRY(moe_gate_up_nvfp4, 8)
+GATE_UP_ENTRY(moe_gate_up_nvfp4_c4, 4)
+GATE_UP_ENTRY(moe_gate_up_nvfp4_c2, 2)
+GATE_UP_ENTRY(moe_gate_up_nvfp4_c1, 1)
+
+#define DOWN_ENTRY(NAME, CAP) \
+extern "C" __global__ void __launch_bounds__(128) NAME( \
+    const bf16* __restrict__ u, const int* __restrict__ offsets, const int* __restrict__ perm, \
+    const int* __restrict__ active, const int* __restrict__ n_active, const uint8_t* __restrict__ dw, \
+    const uint8_t* __restrict__ ds, const float* __restrict__ gsc, const float* __restrict__ weights, \
+    bf16* __restrict__ o, int H, int I, int cap) { \
+    down_body<CAP>(u, offsets, perm, active, n_active, dw, ds, gsc, weights, o, H, I, cap); }
+DOWN_ENTRY(moe_down_nvfp4, 8)
+DOWN_ENTRY(moe_down_nvfp4_c4, 4)
+DOWN_ENTRY(moe_down_nvfp4_c2, 2)
+DOWN_ENTRY(moe_down_nvfp4_c1, 1)
 
 // ---------------------------------------------------------------------------------------------------
 // combine: out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index (the numpy reference's

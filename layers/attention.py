@@ -80,6 +80,7 @@ def scatter(pool, table, positions, rows):
 # check shapes and dtypes, size the grid, launch. `g` is a gpu.GPU; arrays are gpu.DeviceArray.
 ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attention.cu)
 ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
+ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with an attn_partial_bf16_d{D} kernel (one template in attention.cu)
 
 
 def _need(a, shape, dtype, name):
@@ -111,7 +112,7 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2."""
     T, Hq, D = q_out.shape
     Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
-    if D % 64 or not 64 <= D <= 2048:
+    if D % 64 or not 64 <= D <= 2048:                   # block D/2 threads: whole warps (D = 64: one warp)
         raise ValueError(f"head_dim {D}: a multiple of 64 up to 2048")
     if k_out is None and kv is None:
         raise ValueError("k_out / v_out None needs kv (the pools to write)")
@@ -179,7 +180,7 @@ def attention_work(g, rows, Hq, D, max_keys):
 def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
                   max_keys=None, work=None):
     """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax.
-    q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {256, 512}; rows_seq, rows_pos
+    q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {64, 128, 256, 512}; rows_seq, rows_pos
     (T,) int32: the row's sequence (index into block_tables / spans) and position; block_tables int32
     (S, max_blocks); spans None or int32 (S, n_spans, 2) of (start, n) image blocks (n = 0: unused), used on
     sliding layers only. Row (seq, p) sees keys [lo, hi]: lo = max(0, p - window + 1) if sliding else 0, hi = p,
@@ -192,8 +193,8 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
-    if D not in (256, 512):
-        raise ValueError(f"head_dim {D}: attention kernels exist for 256 and 512")
+    if D not in ATTN_HEAD_DIMS:
+        raise ValueError(f"head_dim {D}: attention kernels exist for {', '.join(map(str, ATTN_HEAD_DIMS))}")
     if Hq % Hkv or Hq // Hkv > 16:
         raise ValueError(f"Hq={Hq} Hkv={Hkv}: need Hkv | Hq and Hq / Hkv <= 16")
     _need(q, (T, Hq, D), "bf16", "q")

@@ -12,3 +12,14 @@ def gelu_tanh(x):
 def gated_mlp(x, gate, up, down):
     """x (T, H); gate, up (I, H); down (H, I), all float32 -> (T, H)."""
     return (gelu_tanh(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+# --- GPU ---
+def gelu_mul_gpu(g, gate, up, out):
+    """out = bf16(bf16(gelu_tanh(gate)) * up), all (T, I) bf16 (kernel gelu_mul_bf16 in elementwise.cu)."""
+    import gpu
+    assert gate.shape == up.shape == out.shape and gate.dtype == up.dtype == out.dtype, (gate, up, out)
+    n = int(np.prod(gate.shape))
+    if n:
+        g.launch(g.module("elementwise").function("gelu_mul_bf16"), grid=(-(-n // 256), 1, 1), block=(256, 1, 1),
+                 args=[out, gate, up, gpu.i64(n)])

@@ -1,0 +1,229 @@
+"""The GPU backend: model.Model's step on the device, through the kernels of kernels_ptx/.
+
+Same interface as the CPU reference (SeqStep in, SeqOut out, `.logits`, `.num_blocks`, `.encode_image`), so
+the scheduler, policy and server run unchanged on it. bf16 activations, weights in their checkpoint format
+(FP8 dense layers, NVFP4 experts, bf16 embeddings / norms / router), fp32 accumulation and softmax.
+
+Memory: everything is allocated at load: weights, the paged KV pools (per layer (blocks, 16, Hkv, D) bf16,
+the layout of the CPU reference), and one workspace sized for `max_rows` rows per step; a step only takes
+views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
+numbers do not depend on the other sequences of the step or on how its prefill was chunked.
+
+The step is eager (Python launches per layer); decode as one CUDA-graph replay per batch bucket is the
+next step (performance.md), and the vision tower still runs on the CPU (numpy).
+"""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+import gpu
+from layers import attention, embed
+from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
+from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
+from layers.linear import head_gpu, linear_gpu, upload_linear
+from layers.mlp import gelu_mul_gpu
+from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
+from layers.norm import rmsnorm_gpu
+from layers.vision_tower import encode_image, load_vision
+from model import SeqOut, StepTools
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
+MAX_KEYS_OUT = 26              # option keys A..Z
+
+
+class GpuModel(StepTools):
+    def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=2048, max_seqs=256, max_len=8192, name="model"):
+        t = cfg.text
+        self.cfg, self.name, self.device = cfg, name, "gpu"
+        self.g = g = gpu.GPU()
+        self.max_rows, self.max_seqs = max_rows, max_seqs
+        self.max_blocks = math.ceil(max_len / BLOCK)
+        p = ck.text_prefix
+
+        def bf(name, shape):
+            return g.upload(ck.tensor(name, shape).astype(BF16))
+
+        self.embed_table = bf(f"{p}embed_tokens.weight", (t.vocab, t.hidden))          # (V, H) bf16
+        self.embed_scale = float(embed.embed_scale(t.hidden, ck.dtype(f"{p}embed_tokens.weight")))
+        self.final_norm = bf(f"{p}norm.weight", (t.hidden,))
+        self.layers = []
+        for i, geo in enumerate(t.layers):
+            q, H, D = f"{p}layers.{i}.", t.hidden, geo.head_dim
+            w = {n: bf(f"{q}{n}.weight", (H,)) for n in (
+                "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2")}
+            for n, shape in (("self_attn.q_proj", (t.heads * D, H)), ("self_attn.k_proj", (geo.kv_heads * D, H)),
+                             ("self_attn.o_proj", (H, t.heads * D)), ("mlp.gate_proj", (t.intermediate, H)),
+                             ("mlp.up_proj", (t.intermediate, H)), ("mlp.down_proj", (H, t.intermediate))) + (
+                    () if geo.k_eq_v else (("self_attn.v_proj", (geo.kv_heads * D, H)),)):
+                w[n] = upload_linear(g, ck.linear_raw(q + n, shape))
+            w["self_attn.q_norm"] = bf(f"{q}self_attn.q_norm.weight", (D,))
+            w["self_attn.k_norm"] = bf(f"{q}self_attn.k_norm.weight", (D,))
+            w["inv_freq"] = g.upload(attention.rope_inv_freq(geo.rope, D))
+            w["layer_scalar"] = float(ck.tensor(f"{q}layer_scalar", (1,))[0])
+            w["experts"] = upload_experts(g, ck, q, t.experts, H, t.expert_intermediate)
+            self.layers.append(w)
+        self.weight_bytes = g.allocated_bytes
+        self.num_blocks = max(1, math.ceil(kv_tokens / BLOCK))
+        # per layer: K and V pools (blocks, 16, Hkv, D) bf16
+        self.k_pool = [g.empty((self.num_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
+        self.v_pool = [g.empty((self.num_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
+        self._workspace()
+        self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
+
+    def _workspace(self):
+        g, t, R, S = self.g, self.cfg.text, self.max_rows, self.max_seqs
+        Dq = max(t.heads * geo.head_dim for geo in t.layers)
+        Dkv = max(geo.kv_heads * geo.head_dim for geo in t.layers)
+        H, I = t.hidden, t.intermediate
+        self.ws = {n: g.empty((R, w), BF16) for n, w in (
+            ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("m1", H), ("e_in", H), ("e", H), ("s", H),
+            ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("gate", I), ("up", I),
+            ("act", I))}
+        self.ws.update(ids=g.empty((R,), np.int32), pos=g.empty((R,), np.int32), rows_seq=g.empty((R,), np.int32),
+                       tables=g.empty((S * self.max_blocks,), np.int32), spans=g.empty((S * 64 * 2,), np.int32),
+                       weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
+                       attn_work=g.empty((ATTN_WORK // 4,), np.float32),
+                       sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16), zn=g.empty((S, H), BF16),
+                       logits=g.empty((S, t.vocab), np.float32), am=g.empty((S,), np.int32),
+                       lse=g.empty((S,), np.float32), keys=g.empty((MAX_KEYS_OUT,), np.int32),
+                       keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
+                       head_work=g.empty((head_work_bytes(S, t.vocab) // 4,), np.float32))
+        self.moe_ws = moe_workspace(g, R, t.experts, t.top_k, H, t.expert_intermediate)
+
+    def _v(self, name, *shape, dtype=BF16):
+        """A view of the first rows of a workspace buffer, shaped for this step."""
+        return self.g.view(self.ws[name], 0, shape, dtype)
+
+    def encode_image(self, pre) -> np.ndarray:
+        if self.vision is None:
+            raise ValueError("this model has no vision tower")
+        return encode_image(self.vision, self.cfg.vision, pre.pixel_values, pre.position_ids, pre.num_soft_tokens)
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def step(self, seqs):
+        g, t = self.g, self.cfg.text
+        g.bind()                                   # the engine steps from its own thread
+        lens = [len(s.tokens) for s in seqs]
+        T, S = sum(lens), len(seqs)
+        if T > self.max_rows or S > self.max_seqs:
+            raise ValueError(f"step of {T} rows / {S} sequences: the workspace holds {self.max_rows} / {self.max_seqs}")
+        mb = max(len(s.blocks) for s in seqs)
+        if mb > self.max_blocks:
+            raise ValueError(f"a sequence of {mb} blocks: the longest is {self.max_blocks}")
+        offsets = np.cumsum([0] + lens)
+        tables = np.zeros((S, mb), np.int32)
+        n_spans = max([len(s.images) for s in seqs] + [1])
+        spans = np.zeros((S, n_spans, 2), np.int32)
+        for j, s in enumerate(seqs):
+            tables[j, :len(s.blocks)] = s.blocks
+            for k, im in enumerate(s.images):
+                spans[j, k] = (im.start, len(im.embeds))
+        ids = g.upload(np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs]), out=self._v("ids", T, dtype=np.int32))
+        pos = g.upload(np.concatenate([np.arange(s.start, s.start + n, dtype=np.int32) for s, n in zip(seqs, lens)]),
+                       out=self._v("pos", T, dtype=np.int32))
+        rows_seq = g.upload(np.repeat(np.arange(S, dtype=np.int32), lens), out=self._v("rows_seq", T, dtype=np.int32))
+        tab = g.upload(tables, out=g.view(self.ws["tables"], 0, (S, mb), np.int32))
+        sp = g.upload(spans, out=g.view(self.ws["spans"], 0, (S, n_spans, 2), np.int32))
+        x = self._v("x", T, t.hidden)
+        embed_gpu(g, self.embed_table, ids, x, self.embed_scale)
+        for s, o in zip(seqs, offsets):
+            for im in s.images:                    # soft tokens replace the <|image|> rows, unscaled, as bf16
+                r = int(o + im.start - s.start)
+                g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
+                         out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
+        for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
+            self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
+        return self._head(seqs, offsets, lens)
+
+    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans):
+        g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
+        H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
+        x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
+        rmsnorm_gpu(g, x, w["input_layernorm"], xn, eps)
+        q_in, k_in = self._v("q_in", T, Hq * D), self._v("k_in", T, Hkv * D)
+        linear_gpu(g, xn, w["self_attn.q_proj"], q_in)
+        linear_gpu(g, xn, w["self_attn.k_proj"], k_in)
+        v_in = None
+        if not geo.k_eq_v:
+            v_in = linear_gpu(g, xn, w["self_attn.v_proj"], self._v("v_in", T, Hkv * D))
+        q = self._v("q", T, Hq, D)
+        qkv_prep_gpu(g, q_in, k_in, v_in, w["self_attn.q_norm"], w["self_attn.k_norm"], w["inv_freq"], pos, eps,
+                     q, None, None, kv=(self.k_pool[i], self.v_pool[i], rows_seq, tab))
+        attn = self._v("attn", T, Hq * D)
+        attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
+                      spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
+                      work=self.ws["attn_work"])
+        a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
+        rmsnorm_gpu(g, a, w["post_attention_layernorm"], h, eps, add=x)                 # h = x + norm(a)
+        rmsnorm_gpu(g, h, w["pre_feedforward_layernorm"], xn, eps)
+        gate, up, act = self._v("gate", T, I), self._v("up", T, I), self._v("act", T, I)
+        linear_gpu(g, xn, w["mlp.gate_proj"], gate)
+        linear_gpu(g, xn, w["mlp.up_proj"], up)
+        gelu_mul_gpu(g, gate, up, act)
+        m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
+        m1, e_in, e, s = self._v("m1", T, H), self._v("e_in", T, H), self._v("e", T, H), self._v("s", T, H)
+        rmsnorm_gpu(g, m, w["post_feedforward_layernorm_1"], m1, eps)
+        weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
+        idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
+        router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps)
+        rmsnorm_gpu(g, h, w["pre_feedforward_layernorm_2"], e_in, eps)
+        moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws)
+        rmsnorm_gpu(g, e, w["post_feedforward_layernorm_2"], s, eps, add=m1)            # s = m1 + norm(e)
+        rmsnorm_gpu(g, s, w["post_feedforward_layernorm"], x, eps, add=h, scale=w["layer_scalar"])
+
+    def _head(self, seqs, offsets, lens):
+        """Final norm and tied head on the rows that need logits: the last row of a readout / argmax sequence,
+        every row of a `logits` one (those go one sequence at a time through the same buffers)."""
+        g, t = self.g, self.cfg.text
+        outs = [SeqOut() for _ in seqs]
+        last = [j for j, s in enumerate(seqs) if (s.readout or s.argmax) and not s.logits]
+        if last:
+            res = self._head_rows([int(offsets[j] + lens[j] - 1) for j in last],
+                                  sorted({k for j in last for k in seqs[j].readout}))
+            for r, j in enumerate(last):
+                outs[j] = self._out(seqs[j], res, r)
+        for j, s in enumerate(seqs):
+            if s.logits:
+                rows = list(range(int(offsets[j]), int(offsets[j] + lens[j])))
+                chunks = [self._head_rows(rows[a:a + self.max_seqs], s.readout, full=True)
+                          for a in range(0, len(rows), self.max_seqs)]
+                full = np.concatenate([c["logits"] for c in chunks])
+                outs[j] = SeqOut(**{**self._out(s, chunks[-1], len(rows) - 1 - (len(chunks) - 1) * self.max_seqs
+                                                ).__dict__, "logits": full})
+        return outs
+
+    def _head_rows(self, rows, keys, full=False):
+        g, t = self.g, self.cfg.text
+        R = len(rows)
+        sel = g.upload(np.asarray(rows, np.int32), out=self._v("sel", R, dtype=np.int32))
+        z, zn = self._v("z", R, t.hidden), self._v("zn", R, t.hidden)
+        embed_gpu(g, self.ws["x"], sel, z, 1.0)                  # gather the rows (x * 1.0 is exact)
+        rmsnorm_gpu(g, z, self.final_norm, zn, t.eps)
+        logits = self.g.view(self.ws["logits"], 0, (R, t.vocab), np.float32)
+        head_gpu(g, zn, self.embed_table, logits)
+        if t.softcap:
+            softcap_gpu(g, logits, t.softcap)
+        am = self._v("am", R, dtype=np.int32)
+        argmax_gpu(g, logits, am, self.ws["head_work"])
+        res = {"keys": list(keys), "argmax": g.download(am)}
+        if keys:
+            kd = g.upload(np.asarray(keys, np.int32), out=self._v("keys", len(keys), dtype=np.int32))
+            lse, ko = self._v("lse", R, dtype=np.float32), g.view(self.ws["keys_out"], 0, (R, len(keys)), np.float32)
+            readout_gpu(g, logits, kd, lse, ko, self.ws["head_work"])
+            res["lse"], res["keys_out"] = g.download(lse), g.download(ko)
+        if full:
+            res["logits"] = g.download(logits)
+        return res
+
+    @staticmethod
+    def _out(s, res, r):
+        col = {k: c for c, k in enumerate(res["keys"])}
+        return SeqOut(argmax=int(res["argmax"][r]) if s.argmax else None,
+                      key_logits=tuple(float(res["keys_out"][r, col[k]]) for k in s.readout) if s.readout else None,
+                      logsumexp=float(res["lse"][r]) if s.readout else None)
