@@ -2682,6 +2682,1608 @@ def test_readme_examples_work():
         proc.wait(timeout=30)
 
 
+
+# ====================================================================================================
+# gpu_runtime
+# ====================================================================================================
+# --- gpu.py runtime and kernels_ptx/elementwise.cu against numpy (skipped without a GPU) ----------------
+"""The driver runtime (buffers, fill, views, launch, graphs, errors) and the elementwise kernels (embedding,
+RMSNorm and its fused forms, soft-cap, argmax, readout) against numpy at the real model's shapes and odd ones:
+outputs poisoned first, errors printed, row bytes checked alone vs in a batch."""
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpu
+from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
+from layers.norm import rmsnorm, rmsnorm_gpu
+
+rt_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
+RT_BF16 = np.dtype(ml_dtypes.bfloat16)
+RT_H, RT_V, RT_EPS = 2816, 262144, 1e-6
+
+
+@pytest.fixture(scope="module")
+def rt_g():
+    g = gpu.GPU()
+    yield g
+    g.close()
+
+
+def _rt_bf16(a):
+    return np.asarray(a, np.float64).astype(np.float32).astype(RT_BF16)
+
+
+def _rt_ulp(a):
+    """One bf16 ulp at |a| (8 significant bits), floored at the smallest normal."""
+    e = np.floor(np.log2(np.maximum(np.abs(np.asarray(a, np.float64)), 2.0 ** -126)))
+    return 2.0 ** (e - 7)
+
+
+def _rt_report(name, got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    err = np.abs(got - ref)
+    rel = err / np.maximum(np.abs(ref), 1e-30)
+    rms = np.sqrt(np.mean(ref[np.isfinite(ref)] ** 2)) if np.isfinite(ref).any() else 1.0
+    print(f"{name}: max abs {err.max():.3e} mean abs {err.mean():.3e} max rel {rel.max():.3e} "
+          f"max abs / rms {err.max() / max(rms, 1e-30):.3e}")
+    return err
+
+
+def _rt_out(g, shape, dtype):
+    a = g.empty(shape, dtype)
+    g.fill(a, 0xFF)                                  # bf16 / f32 NaN, int32 -1: a kernel that skips shows
+    return a
+
+
+# --- runtime --------------------------------------------------------------------------------------------
+@rt_needs_gpu
+def test_gpu_runtime_memory(rt_g):
+    g, rng = rt_g, np.random.default_rng(0)
+    print(g.name, g.capability, g.sm_count, "SMs")
+    for n in (1, 7, 4097, (1 << 20) + 3):
+        b = rng.integers(0, 256, n, dtype=np.uint8)
+        a = g.upload(b)
+        assert np.array_equal(g.download(a), b)
+        g.fill(a, 0xA5)
+        assert (g.download(a) == 0xA5).all()
+        g.upload(b, out=a)                           # reuse a preallocated buffer
+        c = g.empty(n, np.uint8)
+        g.copy(c, a)
+        assert np.array_equal(g.download(c), b)
+        a.close(), g.free(c)
+    base = g.upload(np.arange(1000, dtype=np.float32))
+    v = g.view(base, 400, (10, 5), np.float32)       # elements 100..149
+    assert np.array_equal(g.download(v), np.arange(100, 150, dtype=np.float32).reshape(10, 5))
+    g.fill(v, 0)
+    host = g.download(base)
+    assert (host[100:150] == 0).all() and host[99] == 99 and host[150] == 150
+    with pytest.raises(ValueError):
+        g.view(base, 3990, 10, np.float32)
+    live = g.allocated_bytes
+    base.close()
+    assert g.allocated_bytes == live - 4000
+
+
+@rt_needs_gpu
+def test_gpu_runtime_graph_replay(rt_g):
+    """Eager launches and a captured graph of the same launches give the same bytes; the graph reads the
+    buffers' current contents at replay."""
+    g, rng = rt_g, np.random.default_rng(1)
+    T = 5
+    x, res = g.upload(_rt_bf16(rng.normal(size=(T, RT_H)))), g.upload(_rt_bf16(rng.normal(size=(T, RT_H))))
+    w = g.upload(_rt_bf16(rng.normal(1, 0.2, RT_H)))
+    logits = g.upload(rng.normal(0, 10, (T, 3000)).astype(np.float32))
+    y, h, idx = g.empty((T, RT_H), RT_BF16), g.empty((T, RT_H), RT_BF16), g.empty(T, np.int32)
+    work = g.empty(head_work_bytes(T, 3000), np.uint8)
+
+    def step():
+        rmsnorm_gpu(g, x, w, y, RT_EPS)
+        rmsnorm_gpu(g, y, w, h, RT_EPS, add=res, scale=0.75)
+        softcap_gpu(g, logits, 30.0)
+        argmax_gpu(g, logits, idx, work)
+
+    logits0 = g.download(logits)
+    step()
+    eager = g.download(y), g.download(h), g.download(idx), g.download(logits)
+    g.upload(logits0, out=logits)
+    for a in (y, h, idx):
+        g.fill(a, 0xFF)
+    g.capture_begin()
+    step()
+    graph = g.capture_end()
+    assert graph.launches == 5, graph.launches
+    graph.replay()
+    replayed = g.download(y), g.download(h), g.download(idx), g.download(logits)
+    for a, b in zip(eager, replayed):
+        assert a.tobytes() == b.tobytes()
+    g.upload(logits0[::-1].copy(), out=logits)       # new inputs in the same buffers, then replay again
+    graph.replay()
+    assert np.array_equal(g.download(idx), np.argmax(g.download(logits), axis=1))
+    assert not np.array_equal(g.download(idx), eager[2]) or T == 1
+    ev0, ev1 = g.event(), g.event()
+    g.record(ev0)
+    for _ in range(10):
+        graph.replay()
+    g.record(ev1)
+    print(f"graph of {graph.launches} launches: {g.elapsed_ms(ev0, ev1) / 10 * 1e3:.1f} us per replay")
+    graph.close()
+
+
+@rt_needs_gpu
+def test_gpu_runtime_errors(rt_g, tmp_path, monkeypatch):
+    g = rt_g
+    with pytest.raises(gpu.CudaError) as e:
+        g.module("elementwise").function("no_such_kernel")
+    print(e.value)
+    assert e.value.name == "CUDA_ERROR_NOT_FOUND" and "no_such_kernel" in str(e.value)
+    f = g.module("elementwise").function("softcap_f32")
+    a = g.empty(4, np.float32)
+    with pytest.raises(gpu.CudaError) as e:                 # 2048 threads per block is invalid
+        g.launch(f, grid=(1, 1, 1), block=(2048, 1, 1), args=[a, gpu.i64(4), 30.0])
+    print(e.value)
+    with pytest.raises(OverflowError):
+        g.launch(f, grid=(1, 1, 1), block=(32, 1, 1), args=[a, 1 << 40, 30.0])
+    with pytest.raises(FileNotFoundError):
+        g.module("no_such_module")
+    (tmp_path / "broken.ptx").write_text(".version 9.0\n.target sm_90\n.address_size 64\n"
+                                         ".visible .entry broken() { bogus.instruction; }\n")
+    monkeypatch.setattr(gpu, "KERNELS", str(tmp_path))
+    with pytest.raises(gpu.CudaError) as e:
+        g.module("broken")
+    print(e.value)
+    monkeypatch.undo()
+    g.launch(f, grid=(1, 1, 1), block=(32, 1, 1), args=[a, gpu.i64(4), 30.0])   # the context still works
+    g.sync()
+
+
+# --- embedding ------------------------------------------------------------------------------------------
+@rt_needs_gpu
+@pytest.mark.parametrize("V,H,T", [(4096, RT_H, 1), (4096, RT_H, 17), (300, 17, 3), (50, 100, 7)])
+def test_gpu_embed(rt_g, V, H, T):
+    g, rng = rt_g, np.random.default_rng(V + H + T)
+    table = _rt_bf16(rng.normal(0, 0.05, (V, H)))
+    ids = rng.integers(0, V, T).astype(np.int32)
+    ids[0], ids[-1] = V - 1, 0
+    scale = np.float32(_rt_bf16(H ** 0.5))
+    out = _rt_out(g, (T, H), RT_BF16)
+    embed_gpu(g, g.upload(table), g.upload(ids), out, scale)
+    got = g.download(out)
+    ref = (table[ids].astype(np.float32) * scale).astype(RT_BF16)    # one exact product, one rounding
+    _rt_report(f"embed V={V} H={H} T={T}", got, table[ids].astype(np.float64) * np.float64(scale))
+    assert got.tobytes() == ref.tobytes()
+
+
+@rt_needs_gpu
+def test_gpu_embed_bad_id_is_nan(rt_g):
+    g = rt_g
+    table = _rt_bf16(np.ones((10, 16)))
+    out = _rt_out(g, (3, 16), RT_BF16)
+    embed_gpu(g, g.upload(table), g.upload(np.array([1, 10, -1], np.int32)), out, 2.0)
+    got = g.download(out).astype(np.float32)
+    assert (got[0] == 2).all() and np.isnan(got[1:]).all()
+
+
+# --- RMSNorm --------------------------------------------------------------------------------------------
+def _rt_norm_case(rng, shape, weight, add, scale):
+    x = rng.normal(0, 1, shape) * rng.choice([1e-3, 1.0, 30.0], size=shape[:-1] + (1,))
+    x = _rt_bf16(x)
+    w = _rt_bf16(rng.normal(1, 0.5, shape[-1])) if weight else None
+    res = _rt_bf16(rng.normal(0, 4, shape)) if add else None
+    s = np.float32(_rt_bf16(scale)) if scale is not None else None
+    return x, w, res, s
+
+
+def _rt_norm_ref(x, w, res, s):
+    """float64 reference with the kernel's bf16 roundings; returns (y (unrounded), result, tolerance)."""
+    y = rmsnorm(x.astype(np.float64), None if w is None else w.astype(np.float64), RT_EPS)
+    if res is None:
+        return y, y, _rt_ulp(y) * 1.001
+    hb = _rt_bf16(res.astype(np.float64) + _rt_bf16(y).astype(np.float64)).astype(np.float64)
+    tol = _rt_ulp(y) + _rt_ulp(hb)
+    if s is None:
+        return y, hb, tol
+    out = _rt_bf16(hb * np.float64(s)).astype(np.float64)
+    return y, out, (tol + _rt_ulp(hb)) * abs(float(s)) + _rt_ulp(out)
+
+
+def _rt_norm_run(g, x, w, res, s, ld=None):
+    xd = g.upload(x)
+    out = _rt_out(g, x.shape, RT_BF16)
+    rmsnorm_gpu(g, xd, None if w is None else g.upload(w), out, RT_EPS,
+                add=None if res is None else g.upload(res), scale=s)
+    return g.download(out)
+
+
+@rt_needs_gpu
+@pytest.mark.parametrize("shape", [(1, RT_H), (3, RT_H), (17, RT_H), (5, 16, 256), (3, 16, 512), (2, 8, 256),
+                                   (4, 17), (3, 100), (7, 16, 72), (2, 1152), (1, 5000)])
+@pytest.mark.parametrize("variant", ["plain", "noscale", "add", "add_scale"])
+def test_gpu_rmsnorm(rt_g, shape, variant):
+    g, rng = rt_g, np.random.default_rng(zlib.crc32(repr((shape, variant)).encode()))
+    x, w, res, s = _rt_norm_case(rng, shape, variant != "noscale", variant.startswith("add"),
+                                 -0.37 if variant == "add_scale" else None)
+    got = _rt_norm_run(g, x, w, res, s).astype(np.float64)
+    y, ref, tol = _rt_norm_ref(x, w, res, s)
+    assert np.isfinite(got).all()
+    ideal = y if res is None else (res.astype(np.float64) + y) * (1.0 if s is None else float(s))
+    _rt_report(f"rmsnorm {variant} {shape} vs float64", got, ideal)
+    err = np.abs(got - ref)
+    exact = ref if res is not None else _rt_bf16(y).astype(np.float64)
+    print(f"  {np.mean(got != exact):.2e} of elements differ from the float64 reference with the bf16 roundings")
+    assert (err <= tol).all(), np.argwhere(err > tol)[:5]
+    assert np.mean(got != exact) < 1e-2
+
+
+@rt_needs_gpu
+def test_gpu_rmsnorm_strided_heads_in_place(rt_g):
+    """q_norm on the q columns of a fused (T, (16 + 8 + 8) * 256) qkv row, written in place."""
+    g, rng = rt_g, np.random.default_rng(5)
+    T, Hq, D, W = 3, 16, 256, (16 + 8 + 8) * 256
+    qkv = _rt_bf16(rng.normal(0, 2, (T, W)))
+    w = _rt_bf16(rng.normal(1, 0.3, D))
+    buf = g.upload(qkv)
+    q = gpu.DeviceArray(g, buf.ptr, (T, Hq, D), RT_BF16, T * Hq * D * 2, base=buf)   # strided logical view
+    rmsnorm_gpu(g, q, g.upload(w), q, RT_EPS, ld_x=W, ld_out=W)
+    got = g.download(buf).astype(np.float64)
+    ref = rmsnorm(qkv[:, :Hq * D].astype(np.float64).reshape(T, Hq, D), w.astype(np.float64), RT_EPS)
+    _rt_report("q_norm strided in place", got[:, :Hq * D], ref.reshape(T, -1))
+    assert (np.abs(got[:, :Hq * D] - ref.reshape(T, -1)) <= _rt_ulp(ref.reshape(T, -1)) * 1.001).all()
+    assert got[:, Hq * D:].tobytes() == qkv[:, Hq * D:].astype(np.float64).tobytes()   # k, v untouched
+
+
+@rt_needs_gpu
+@pytest.mark.parametrize("shape", [(RT_H,), (16, 256), (2, 512)])
+def test_gpu_rmsnorm_batch_invariance(rt_g, shape):
+    g, rng = rt_g, np.random.default_rng(6)
+    x, w, res, s = _rt_norm_case(rng, (32,) + shape, True, True, 0.5)
+    for T in (7, 32):
+        batch = _rt_norm_run(g, x[:T], w, res[:T], s)
+        for r in (0, 3, T - 1):
+            alone = _rt_norm_run(g, x[r:r + 1], w, res[r:r + 1], s)
+            assert alone.tobytes() == batch[r:r + 1].tobytes(), (T, r)
+
+
+# --- head: soft-cap, argmax, readout --------------------------------------------------------------------
+@rt_needs_gpu
+@pytest.mark.parametrize("T,V", [(3, RT_V), (1, 1001)])
+def test_gpu_softcap(rt_g, T, V):
+    g, rng = rt_g, np.random.default_rng(T + V)
+    z = (rng.normal(0, 40, (T, V))).astype(np.float32)
+    a = g.upload(z)
+    softcap_gpu(g, a, 30.0)
+    got = g.download(a)
+    ref = 30.0 * np.tanh(z.astype(np.float64) / 30.0)
+    err = _rt_report(f"softcap T={T} V={V}", got, ref)
+    assert (err <= 1e-5).all()
+
+
+def _rt_logits(rng, T, V):
+    z = (30 * np.tanh(rng.normal(0, 8, (T, V)) / 30)).astype(np.float32)
+    if T >= 4 and V >= 8:
+        z[0, [3, V - 2]] = 40.0                      # a tie: the lower index wins
+        z[1, V - 1] = 40.0                           # the last element
+        z[2, :] = -np.inf                            # all -inf: index 0, lse -inf
+        z[3, V // 2] = np.nan                        # numpy: the first NaN wins
+    return z
+
+
+@rt_needs_gpu
+@pytest.mark.parametrize("T,V", [(1, RT_V), (7, RT_V), (4, 2047), (5, 2049), (17, 5000), (1, 1)])
+def test_gpu_argmax(rt_g, T, V):
+    g, rng = rt_g, np.random.default_rng(T * V)
+    z = _rt_logits(rng, T, V)
+    out = _rt_out(g, T, np.int32)
+    argmax_gpu(g, g.upload(z), out, _rt_out(g, head_work_bytes(T, V), np.uint8))
+    got, ref = g.download(out), np.argmax(z, axis=1)
+    print(f"argmax T={T} V={V}: {got[:8]} vs {ref[:8]}")
+    assert np.array_equal(got, ref)
+
+
+@rt_needs_gpu
+@pytest.mark.parametrize("T,V", [(1, RT_V), (7, RT_V), (3, 1000), (17, 2049)])
+def test_gpu_readout(rt_g, T, V):
+    g, rng = rt_g, np.random.default_rng(T + 2 * V)
+    z = _rt_logits(rng, T, V)
+    if T >= 4:
+        z[min(4, T - 1), :min(V, 2048)] = -np.inf    # a whole -inf chunk
+    keys = np.array([0, V - 1, V // 3, 7 % V, V, -1], np.int32)    # last two out of range: NaN
+    lse, kout = _rt_out(g, T, np.float32), _rt_out(g, (T, len(keys)), np.float32)
+    readout_gpu(g, g.upload(z), g.upload(keys), lse, kout, _rt_out(g, head_work_bytes(T, V), np.uint8))
+    got_lse, got_k = g.download(lse), g.download(kout)
+    z64 = z.astype(np.float64)
+    m = z64.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ref_lse = (m + np.log(np.exp(z64 - np.where(np.isfinite(m), m, 0)).sum(axis=1, keepdims=True)))[:, 0]
+    fin = np.isfinite(ref_lse)
+    _rt_report(f"readout lse T={T} V={V}", got_lse[fin], ref_lse[fin])
+    assert np.array_equal(np.isfinite(got_lse), fin)
+    assert (np.abs(got_lse[fin] - ref_lse[fin]) <= 1e-4 * np.maximum(1, np.abs(ref_lse[fin]))).all()
+    assert got_k[:, :4].tobytes() == z[:, keys[:4]].tobytes() and np.isnan(got_k[:, 4:]).all()
+    mass = np.exp(got_k[0, :4].astype(np.float64) - got_lse[0]).sum()
+    print(f"  key mass of row 0: {mass:.3e}")
+
+
+@rt_needs_gpu
+def test_gpu_head_batch_invariance(rt_g):
+    g, rng = rt_g, np.random.default_rng(9)
+    z = _rt_logits(rng, 32, RT_V)[::-1].copy()       # special rows at the end of the batch
+    z[-4] = 0                                        # lse needs finite rows; keep one all-equal row
+    keys = np.arange(65, 91, dtype=np.int32)
+
+    def run(rows):
+        T = len(rows)
+        zd, work = g.upload(rows), g.empty(head_work_bytes(T, RT_V), np.uint8)
+        idx, lse, kout = _rt_out(g, T, np.int32), _rt_out(g, T, np.float32), _rt_out(g, (T, 26), np.float32)
+        softcap_gpu(g, zd, 30.0)
+        argmax_gpu(g, zd, idx, work)
+        readout_gpu(g, zd, g.upload(keys), lse, kout, work)
+        return g.download(idx), g.download(lse), g.download(kout)
+
+    for T in (7, 32):
+        batch = run(z[-T:])
+        for r in (0, T // 2, T - 1):
+            alone = run(z[-T + r:][:1])
+            for a, b in zip(alone, batch):
+                assert a[:1].tobytes() == b[r:r + 1].tobytes(), (T, r)
+
+
+@rt_needs_gpu
+def test_gpu_elementwise_timing(rt_g):
+    """Decode-shape timings (T = 1), graph-replayed 200 times; printed for BENCHMARKS.md, not asserted."""
+    g, rng = rt_g, np.random.default_rng(10)
+    x = g.upload(_rt_bf16(rng.normal(size=(1, RT_H))))
+    w, y = g.upload(_rt_bf16(rng.normal(size=RT_H))), g.empty((1, RT_H), RT_BF16)
+    q, qw = g.upload(_rt_bf16(rng.normal(size=(1, 16, 512)))), g.upload(_rt_bf16(rng.normal(size=512)))
+    z = g.upload(rng.normal(size=(1, RT_V)).astype(np.float32))
+    work, idx = g.empty(head_work_bytes(1, RT_V), np.uint8), g.empty(1, np.int32)
+    lse, kout, keys = g.empty(1, np.float32), g.empty((1, 26), np.float32), g.upload(np.arange(26, dtype=np.int32))
+    cases = {"rmsnorm H=2816": (lambda: rmsnorm_gpu(g, x, w, y, RT_EPS), 3 * RT_H * 2),
+             "rmsnorm_add_scale H=2816": (lambda: rmsnorm_gpu(g, x, w, y, RT_EPS, add=y, scale=0.5), 4 * RT_H * 2),
+             "q_norm 16x512": (lambda: rmsnorm_gpu(g, q, qw, q, RT_EPS), 2 * 16 * 512 * 2),
+             "softcap V": (lambda: softcap_gpu(g, z, 30.0), 2 * RT_V * 4),
+             "argmax V": (lambda: argmax_gpu(g, z, idx, work), RT_V * 4),
+             "readout V": (lambda: readout_gpu(g, z, keys, lse, kout, work), RT_V * 4)}
+    ev0, ev1 = g.event(), g.event()
+    for name, (fn, nbytes) in cases.items():
+        g.capture_begin()
+        for _ in range(200):
+            fn()
+        graph = g.capture_end()
+        graph.replay()
+        g.record(ev0)
+        graph.replay()
+        g.record(ev1)
+        us = g.elapsed_ms(ev0, ev1) / 200 * 1e3
+        print(f"{name}: {us:.2f} us/call, {nbytes / us / 1e3:.1f} GB/s ({graph.launches // 200} launches)")
+        graph.close()
+
+
+# ====================================================================================================
+# gpu_linear
+# ====================================================================================================
+"""GPU weight-only linears (kernels_ptx/linear.cu, layers/linear.py) against numpy: every FP8 scale granularity
+and bf16 at the model's shapes and odd ones, all e4m3 codes exact, batch invariance, the tied head, timings.
+Reference: checkpoint.fp8_dequant / bf16 weights in float64 against the bf16-rounded x."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu  # noqa: E402
+from checkpoint import BF16, E4M3, LinearRaw, e4m3_encode, fp8_dequant  # noqa: E402
+import layers.linear as lin_mod  # noqa: E402
+from layers.linear import head_gpu, linear_gpu, upload_linear  # noqa: E402
+
+_lin_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
+_LIN_FORMATS = ('fp8_channel', 'fp8_tensor', 'fp8_block', 'bf16')
+
+
+@pytest.fixture(scope='module')
+def lin_g():
+    g = gpu.GPU()
+    yield g
+    g.close()
+
+
+def _lin_raw(rng, fmt, n, k):
+    """A LinearRaw as the checkpoint stores it (CT layouts: channel scale (N, 1) bf16, tensor (1,) bf16,
+    block (ceil(N/128), ceil(K/128)) f32) and its dequantized (N, K) float64 reference."""
+    if fmt == 'bf16':
+        w = (rng.standard_normal((n, k), np.float32) * 0.05).astype(BF16)
+        return LinearRaw('bf16', (n, k), w), w.astype(np.float64)
+    w8 = e4m3_encode(rng.standard_normal((n, k), np.float32) * 96)            # spans normals and subnormals
+    shape = {'fp8_channel': (n, 1), 'fp8_tensor': (1,), 'fp8_block': (-(-n // 128), -(-k // 128))}[fmt]
+    s = rng.uniform(2e-4, 2e-3, shape).astype(np.float32)
+    s = s if fmt == 'fp8_block' else s.astype(BF16)
+    return LinearRaw(fmt, (n, k), w8, s), fp8_dequant(w8, s).astype(np.float64)
+
+
+def _lin_run(g, x, lin, out_dtype=BF16):
+    xd = g.upload(x)
+    out = g.empty((x.shape[0], lin.N), out_dtype)
+    g.fill(out, 0xFF)                                                          # NaN poison
+    linear_gpu(g, xd, lin, out)
+    y = g.download(out)
+    g.free(xd), g.free(out)
+    return y
+
+
+def _lin_check(name, y, ref):
+    y = y.astype(np.float64)
+    assert np.isfinite(y).all(), f'{name}: non-finite output (poison left?)'
+    err = np.abs(y - ref)
+    scale = np.sqrt(np.mean(ref ** 2)) + 1e-30
+    rel = err / np.maximum(np.abs(ref), 1e-3 * scale)
+    print(f'{name}: max abs {err.max():.3e}  max rel {rel.max():.3e}  (rms ref {scale:.3e})')
+    assert np.all(err <= 5e-3 * np.abs(ref) + 1e-3 * scale), f'{name}: error above bf16 tolerance'
+
+
+def _lin_free(g, lin):
+    g.free(lin.w)
+    if lin.s is not None:
+        g.free(lin.s)
+
+
+REAL = [(4096, 2816), (2816, 4096), (8192, 2816), (2816, 8192), (2048, 2816), (1024, 2816),
+        (2112, 2816), (2816, 2112)]
+
+
+@_lin_gpu
+@pytest.mark.parametrize('fmt', _LIN_FORMATS)
+def test_gpu_linear_real_shapes(lin_g, fmt):
+    rng = np.random.default_rng(1)
+    shapes = REAL + [(128, 2816)] if fmt == 'bf16' else REAL
+    for n, k in shapes:
+        raw, wref = _lin_raw(rng, fmt, n, k)
+        lin = upload_linear(lin_g, raw)
+        assert lin.format == fmt
+        for t in ((1, 17) if (n, k) != (4096, 2816) else (1, 3, 64, 300)):
+            x = rng.standard_normal((t, k), np.float32).astype(BF16)
+            _lin_check(f'{fmt} N={n} K={k} T={t}', _lin_run(lin_g, x, lin), x.astype(np.float64) @ wref.T)
+        _lin_free(lin_g, lin)
+
+
+@_lin_gpu
+@pytest.mark.parametrize('fmt', _LIN_FORMATS)
+def test_gpu_linear_odd_shapes(lin_g, fmt):
+    rng = np.random.default_rng(2)
+    for n in (1, 17, 1000):
+        for k in (2816, 2112, 704, 48):
+            raw, wref = _lin_raw(rng, fmt, n, k)
+            lin = upload_linear(lin_g, raw)
+            for t in (1, 3, 17, 64, 300):
+                x = rng.standard_normal((t, k), np.float32).astype(BF16)
+                _lin_check(f'{fmt} N={n} K={k} T={t}', _lin_run(lin_g, x, lin), x.astype(np.float64) @ wref.T)
+            _lin_free(lin_g, lin)
+
+
+@_lin_gpu
+def test_gpu_linear_e4m3_codes_exact(lin_g):
+    """Every finite e4m3 code, per-tensor scale 1, one-hot x: y[t, n] = W[n, t] exactly (covers the
+    register dequant incl. subnormals and signs, and the fragment/K mapping one column at a time)."""
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)   # 254 finite codes
+    n, k = 16, 64
+    w8 = np.resize(codes, n * k).reshape(n, k)
+    lin = upload_linear(lin_g, LinearRaw('fp8_tensor', (n, k), w8.view(E4M3), np.ones(1, np.float32)))
+    x = np.eye(k, dtype=np.float32).astype(BF16)                               # token t = one-hot column t
+    want = w8.view(E4M3).astype(np.float32).T
+    for xs in (x, np.concatenate([x, x[:1] * 0])):                             # T=64 decode family, T=65 prefill tile
+        y = _lin_run(lin_g, xs, lin).astype(np.float32)[:k]                    # (K, N)
+        bad = np.argwhere(y != want)
+        assert bad.size == 0, f'T={len(xs)}: {len(bad)} mismatches, first (t, n) {bad[:4].tolist()}'
+    _lin_free(lin_g, lin)
+
+
+@_lin_gpu
+@pytest.mark.parametrize('fmt', _LIN_FORMATS)
+def test_gpu_linear_batch_invariance(lin_g, fmt):
+    """Row r's bytes are the same alone (T=1), in batches of 7 / 33 / 64 / 65 (at other positions) and at T=300:
+    this also pins the prefill tile (T >= 65) to the decode family bit for bit."""
+    rng = np.random.default_rng(3)
+    for n, k in ((2112, 2816), (1000, 704)):
+        raw, _ = _lin_raw(rng, fmt, n, k)
+        lin = upload_linear(lin_g, raw)
+        x = rng.standard_normal((300, k), np.float32).astype(BF16)
+        full = _lin_run(lin_g, x, lin).view(np.uint16)
+        for t in (1, 7, 33, 64, 65):                          # <= 64: decode family; 300 and 65: prefill tile
+            rows = rng.choice(300, t, replace=False)
+            sub = _lin_run(lin_g, x[rows], lin).view(np.uint16)
+            assert np.array_equal(sub, full[rows]), f'{fmt} N={n} K={k}: rows {rows.tolist()[:8]} differ at T={t}'
+        alone = _lin_run(lin_g, x[[0]], lin).view(np.uint16)
+        assert np.array_equal(alone, full[:1]), f'{fmt}: row 0 differs alone vs T=300'
+        _lin_free(lin_g, lin)
+
+
+def _lin_head_table(rng, v, h):
+    """(V, H) bf16 table made of a random (8192, H) block times exact per-tile factors +-2^e (cheap to build,
+    every tile distinct), and the matching float64 reference maker."""
+    blk = (rng.standard_normal((8192, h), np.float32) * 0.03).astype(BF16)
+    fac = np.array([(-1.0) ** i * 2.0 ** (i % 5 - 2) for i in range(v // 8192)])
+    table = (blk.astype(np.float32)[None] * fac[:, None, None].astype(np.float32)).astype(BF16).reshape(v, h)
+    return table, lambda x: (x.astype(np.float64) @ blk.astype(np.float64).T)[:, None, :] * fac[None, :, None]
+
+
+@_lin_gpu
+def test_gpu_linear_head(lin_g):
+    g, rng = lin_g, np.random.default_rng(4)
+    v, h = 262144, 2816
+    table, ref = _lin_head_table(rng, v, h)
+    td = g.upload(table)
+    for t in (1, 3):
+        x = rng.standard_normal((t, h), np.float32).astype(BF16)
+        xd, out = g.upload(x), g.empty((t, v), np.float32)
+        g.fill(out, 0xFF)
+        head_gpu(g, xd, td, out)
+        _lin_check(f'head V={v} H={h} T={t}', g.download(out), ref(x).reshape(t, v))
+        g.free(xd), g.free(out)
+    g.free(td)
+
+
+def _lin_time(g, launch, iters):
+    """Mean ms per call of launch(i) over `iters` calls inside one CUDA graph (no Python launch cost)."""
+    launch(0)
+    g.sync()
+    g.capture_begin()
+    for i in range(iters):
+        launch(i)
+    graph = g.capture_end()
+    graph.replay()
+    e0, e1 = g.event(), g.event()
+    g.record(e0)
+    graph.replay()
+    g.record(e1)
+    ms = g.elapsed_ms(e0, e1) / iters
+    graph.close()
+    return ms
+
+
+@_lin_gpu
+def test_gpu_linear_timing(lin_g):
+    """q_proj (4096x2816 fp8 channel; 8 copies cycled so the 11.5 MB weight is not served from the 50 MB L2)
+    and the head (262144x2816 bf16, 1.48 GB) at T=1 and T=16, with achieved GB/s of the weight read; q_proj at
+    T=2048 through the prefill tile and through the decode family, in TFLOP/s."""
+    g, rng = lin_g, np.random.default_rng(5)
+    raw, _ = _lin_raw(rng, 'fp8_channel', 4096, 2816)
+    lins = [upload_linear(g, raw) for _ in range(8)]
+    table = g.upload(_lin_head_table(rng, 262144, 2816)[0])
+    for t in (1, 16):
+        x = g.upload(rng.standard_normal((t, 2816), np.float32).astype(BF16))
+        out = g.empty((t, 4096), BF16)
+        ms = _lin_time(g, lambda i: linear_gpu(g, x, lins[i % 8], out), 64)
+        gb = 4096 * 2816 / 1e9
+        print(f'q_proj fp8 T={t}: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s (weights {gb * 1e3:.1f} MB)')
+        logits = g.empty((t, 262144), np.float32)
+        ms = _lin_time(g, lambda i: head_gpu(g, x, table, logits), 8)
+        gb = 262144 * 2816 * 2 / 1e9
+        print(f'head bf16 T={t}: {ms * 1e3:.1f} us, {gb / ms * 1e3:.0f} GB/s (table {gb:.2f} GB)')
+        g.free(x), g.free(out), g.free(logits)
+    t = 2048                                                                   # prefill: tensor-core bound
+    x = g.upload(rng.standard_normal((t, 2816), np.float32).astype(BF16))
+    out = g.empty((t, 4096), BF16)
+    tf = 2 * t * 4096 * 2816 / 1e12
+    for label, min_t in (('prefill tile', lin_mod.PREFILL_MIN_T), ('decode family', None)):
+        saved, lin_mod.PREFILL_MIN_T = lin_mod.PREFILL_MIN_T, min_t
+        try:
+            ms = _lin_time(g, lambda i: linear_gpu(g, x, lins[i % 8], out), 8)
+        finally:
+            lin_mod.PREFILL_MIN_T = saved
+        print(f'q_proj fp8 T={t} ({label}): {ms * 1e3:.1f} us, {tf / ms * 1e3:.0f} TFLOP/s')
+    g.free(x), g.free(out)
+    for lin in lins:
+        _lin_free(g, lin)
+    g.free(table)
+
+
+# ====================================================================================================
+# gpu_attention
+# ====================================================================================================
+"""GPU attention kernels (kernels_ptx/attention.cu) against the numpy reference in layers/attention.py.
+
+Inputs are bf16 (the reference sees the same bf16 values, in float64). Pools hold random K/V in
+non-contiguous random blocks; table entries past a sequence's blocks point at a block of NaNs, and the unused
+tail of a sequence's last block is NaN too, so a kernel that reads a key it must not see shows up as NaN.
+Outputs are poisoned (0xFF = bf16 NaN) before every launch.
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import gpu
+from config import Rope
+from layers import attention as A
+from layers.norm import rmsnorm
+
+attn_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")   # on every GPU test
+
+BF = ml_dtypes.bfloat16
+HQ, W, EPS = 16, 1024, 1e-6
+# the real model's layers (Hq 16, window 1024) and the built-in demo model's (Hq 4, window 32, D 64 / 128)
+GEO = {"sliding": dict(D=256, Hkv=8, Hq=HQ, W=W, sliding=True, ctx=1500),
+       "full": dict(D=512, Hkv=2, Hq=HQ, W=W, sliding=False, ctx=3000),
+       "sliding64": dict(D=64, Hkv=2, Hq=4, W=32, sliding=True, ctx=1500),
+       "full128": dict(D=128, Hkv=1, Hq=4, W=32, sliding=False, ctx=3000)}
+GEOS = list(GEO)
+
+
+@pytest.fixture(scope="module")
+def g():
+    g = gpu.GPU()
+    yield g
+    g.close()
+
+
+def bf(x):
+    return np.asarray(x, np.float32).astype(BF)
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float32).astype(np.float64)
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+def report(name, out, ref, rtol=1e-2, atol=1e-2):
+    out = f64(out)
+    assert np.isfinite(out).all(), f"{name}: non-finite output ({np.isnan(out).sum()} NaN)"
+    err = np.abs(out - ref)
+    big = np.abs(ref) > 0.05
+    rel = (err[big] / np.abs(ref[big])).max() if big.any() else 0.0
+    print(f"{name}: max abs err {err.max():.3e}, max rel err {rel:.3e} (|ref| > 0.05), max |ref| {np.abs(ref).max():.3f}")
+    bad = err > atol + rtol * np.abs(ref)
+    assert not bad.any(), f"{name}: {bad.sum()} elements out of tolerance, worst {err.max():.3e}"
+
+
+class Scene:
+    """Paged K/V pools (blocks, 16, Hkv, D) bf16 holding `lens` sequences in random non-contiguous blocks."""
+
+    def __init__(self, g, rng, lens, Hkv, D):
+        self.g, self.lens = g, list(lens)
+        need = [max(1, math.ceil(n / A.BLOCK)) for n in lens]
+        nb = sum(need) + 4
+        perm = rng.permutation(nb)
+        poison = int(perm[-1])
+        self.tables = np.full((len(lens), max(need) + 2), poison, np.int32)
+        at = 0
+        for s, n in enumerate(need):
+            self.tables[s, :n] = perm[at:at + n]
+            at += n
+        self.k = bf(rng.standard_normal((nb, A.BLOCK, Hkv, D), np.float32))
+        self.v = bf(rng.standard_normal((nb, A.BLOCK, Hkv, D), np.float32))
+        for pool in (self.k, self.v):
+            pool[poison] = np.nan
+            for s, n in enumerate(lens):
+                if n % A.BLOCK:
+                    pool[self.tables[s, n // A.BLOCK], n % A.BLOCK:] = np.nan
+        self.dk, self.dv, self.dt = g.upload(self.k), g.upload(self.v), g.upload(self.tables)
+
+    def close(self):
+        for a in (self.dk, self.dv, self.dt):
+            self.g.free(a)
+
+
+def attend64(q, keys, vals, allowed):
+    """layers.attention.attend in float64 through matmul (same formula, faster at 3k x 3k)."""
+    Tq, Hq, D = q.shape
+    G = Hq // keys.shape[1]
+    out = np.empty((Tq, Hq, D))
+    for h in range(Hq):
+        s = np.where(allowed, q[:, h] @ keys[:, h // G].T, -np.inf)
+        s -= s.max(axis=1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h] = p @ vals[:, h // G]
+    return out.reshape(Tq, Hq * D)
+
+
+def reference(sc, q, rows_seq, rows_pos, spans, window, sliding):
+    """(T, Hq*D) float64 by layers.attention.gather/mask over the same pools (per sequence, like Model._layer)."""
+    T, Hq, D = q.shape
+    out = np.full((T, Hq * D), np.nan)
+    q64 = f64(q)
+    for s in np.unique(rows_seq):
+        idx = np.nonzero(rows_seq == s)[0]
+        sp = tuple(spans.get(int(s), ())) if sliding else ()
+        stop = int(rows_pos[idx].max()) + 1
+        for a, n in sp:
+            if any(a <= p < a + n for p in rows_pos[idx]):
+                stop = max(stop, a + n)
+        keys = f64(A.gather(sc.k, sc.tables[s], 0, stop))
+        vals = f64(A.gather(sc.v, sc.tables[s], 0, stop))
+        allowed = A.mask(rows_pos[idx].astype(np.int64), np.arange(stop), sliding, window, sp)
+        out[idx] = attend64(q64[idx], keys, vals, allowed)
+    return out
+
+
+def spans_array(spans, S):
+    if not spans:
+        return None
+    ns = max(len(v) for v in spans.values())
+    a = np.zeros((S, ns, 2), np.int32)
+    for s, v in spans.items():
+        for i, (st, n) in enumerate(v):
+            a[s, i] = (st, n)
+    return a
+
+
+def run_attn(g, sc, q, rows_seq, rows_pos, spans, window, sliding, max_keys=None):
+    T, Hq, D = q.shape
+    tmp = [g.upload(q), g.upload(np.asarray(rows_seq, np.int32)), g.upload(np.asarray(rows_pos, np.int32))]
+    sp = spans_array(spans, len(sc.lens))
+    tmp.append(g.upload(sp) if sp is not None else None)
+    out = g.empty((T, Hq * D), BF)
+    g.fill(out, 0xFF)
+    A.attention_gpu(g, tmp[0], sc.dk, sc.dv, tmp[1], tmp[2], sc.dt, tmp[3], window, sliding, out, max_keys=max_keys)
+    o = g.download(out)
+    for a in tmp + [out]:
+        if a is not None:
+            g.free(a)
+    return o
+
+
+def rand_q(rng, T, D, Hq=HQ):
+    return bf(rng.standard_normal((T, Hq, D), np.float32) * (2.5 / math.sqrt(D)))
+
+
+def test_gpu_attend64_is_attend():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((5, 4, 8)), rng.standard_normal((9, 2, 8)), rng.standard_normal((9, 2, 8))
+    allowed = A.mask(np.arange(4, 9), np.arange(9), True, 3, ((5, 3),))
+    np.testing.assert_allclose(attend64(q, k, v, allowed), A.attend(q, k, v, allowed), rtol=1e-12, atol=1e-12)
+
+
+# --- q/k/v norm + rope ------------------------------------------------------------------------------------
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_qkv_prep(g, geo):
+    D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
+    k_eq_v = not GEO[geo]["sliding"]
+    rope = Rope("default", 1e4, 1.0) if GEO[geo]["sliding"] else Rope("proportional", 1e6, 0.25)
+    inv = A.rope_inv_freq(rope, D)
+    rng = np.random.default_rng(1)
+    wq, wk = bf(rng.uniform(0.3, 1.7, D)), bf(rng.uniform(0.3, 1.7, D))
+    d_inv, d_wq, d_wk = g.upload(inv), g.upload(wq), g.upload(wk)
+    nv = 0 if k_eq_v else Hkv
+    full = None
+    for T in (1, 3, 17, 37):
+        pos = rng.integers(0, 9000, T).astype(np.int32)
+        fused = bf(rng.standard_normal((T, (HQ + Hkv + nv) * D), np.float32) * 3.0)   # [q | k | v] per row
+        qi = fused[:, :HQ * D].reshape(T, HQ, D)
+        ki = fused[:, HQ * D:(HQ + Hkv) * D].reshape(T, Hkv, D)
+        vi = ki if k_eq_v else fused[:, (HQ + Hkv) * D:].reshape(T, Hkv, D)
+        ref_q = A.rope_apply(rmsnorm(f64(qi), f64(wq), EPS), pos, inv)
+        ref_k = A.rope_apply(rmsnorm(f64(ki), f64(wk), EPS), pos, inv)
+        ref_v = rmsnorm(f64(vi), None, EPS)
+        dpos = g.upload(pos)
+        outs = [g.empty((T, HQ, D), BF), g.empty((T, Hkv, D), BF), g.empty((T, Hkv, D), BF)]
+        res = []
+        # dense inputs, then the same rows read in place from the fused buffer through (pointer, row stride)
+        dq, dk = g.upload(np.ascontiguousarray(qi)), g.upload(np.ascontiguousarray(ki))
+        dv = None if k_eq_v else g.upload(np.ascontiguousarray(vi))
+        df = g.upload(fused)
+        stride = (HQ + Hkv + nv) * D
+        srcs = [(dq, dk, dv),
+                ((gpu.ptr(df.ptr), stride), (gpu.ptr(df.ptr + 2 * HQ * D), stride),
+                 None if k_eq_v else (gpu.ptr(df.ptr + 2 * (HQ + Hkv) * D), stride))]
+        for qs, ks, vs in srcs:
+            for o in outs:
+                g.fill(o, 0xFF)
+            A.qkv_prep_gpu(g, qs, ks, vs, d_wq, d_wk, d_inv, dpos, EPS, *outs)
+            res.append([g.download(o) for o in outs])
+        for name, o, r in zip("qkv", res[0], (ref_q, ref_k, ref_v)):
+            report(f"qkv_prep {geo} T={T} {name}", o.reshape(T, -1), r.reshape(T, -1))
+        for a, b in zip(res[0], res[1]):
+            assert (bits(a) == bits(b)).all(), "strided (fused) input differs from dense input"
+        if T == 37:
+            full = (pos, qi, ki, vi, res[0])
+        for a in [dpos, dq, dk, dv, df] + outs:
+            if a is not None:
+                g.free(a)
+    # batch invariance: row 5 of the T=37 launch alone
+    pos, qi, ki, vi, res = full
+    r = 5
+    one = [g.empty((1, HQ, D), BF), g.empty((1, Hkv, D), BF), g.empty((1, Hkv, D), BF)]
+    ins = [g.upload(np.ascontiguousarray(x[r:r + 1])) for x in (qi, ki, vi)]
+    dpos = g.upload(pos[r:r + 1])
+    A.qkv_prep_gpu(g, ins[0], ins[1], None if k_eq_v else ins[2], d_wq, d_wk, d_inv, dpos, EPS, *one)
+    for a, b in zip(one, res):
+        assert (bits(g.download(a))[0] == bits(b)[r]).all(), "qkv_prep row differs alone vs in a batch"
+    for a in one + ins + [dpos, d_inv, d_wq, d_wk]:
+        g.free(a)
+
+
+# --- KV scatter --------------------------------------------------------------------------------------------
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_kv_write(g, geo):
+    D, Hkv = GEO[geo]["D"], GEO[geo]["Hkv"]
+    rng = np.random.default_rng(2)
+    sc = Scene(g, rng, [300, 41, 1], Hkv, D)
+    # 37 rows: positions 250..279 of seq 0, 34..40 of seq 1 (not block aligned), then the one row of seq 2
+    rows_seq = np.array([0] * 29 + [1] * 7 + [2], np.int32)
+    rows_pos = np.concatenate([np.arange(250, 279), np.arange(34, 41), [0]]).astype(np.int32)
+    k = bf(rng.standard_normal((37, Hkv, D), np.float32))
+    v = bf(rng.standard_normal((37, Hkv, D), np.float32))
+    dk, dv, rs, rp = g.upload(k), g.upload(v), g.upload(rows_seq), g.upload(rows_pos)
+    A.kv_write_gpu(g, dk, dv, sc.dk, sc.dv, rs, rp, sc.dt)
+    ek, ev = sc.k.copy(), sc.v.copy()
+    for s in range(3):
+        m = rows_seq == s
+        A.scatter(ek, sc.tables[s], rows_pos[m].astype(np.int64), k[m])
+        A.scatter(ev, sc.tables[s], rows_pos[m].astype(np.int64), v[m])
+    assert (bits(g.download(sc.dk)) == bits(ek)).all()
+    assert (bits(g.download(sc.dv)) == bits(ev)).all()
+    for a in (dk, dv, rs, rp):
+        g.free(a)
+    sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_qkv_prep_fused_kv_write(g, geo):
+    """qkv_prep_gpu(kv=pools) stores into the pools exactly the k / v rows the dense outputs hold."""
+    D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
+    k_eq_v = not GEO[geo]["sliding"]
+    rng = np.random.default_rng(11)
+    sc = Scene(g, rng, [300, 41, 1], Hkv, D)
+    rows_seq = np.array([0] * 29 + [1] * 7 + [2], np.int32)
+    rows_pos = np.concatenate([np.arange(250, 279), np.arange(34, 41), [0]]).astype(np.int32)
+    T = 37
+    inv = g.upload(A.rope_inv_freq(Rope("default", 1e4, 1.0), D))
+    wq, wk = g.upload(bf(rng.uniform(0.3, 1.7, D))), g.upload(bf(rng.uniform(0.3, 1.7, D)))
+    qi = g.upload(bf(rng.standard_normal((T, HQ, D), np.float32)))
+    ki = g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
+    vi = None if k_eq_v else g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
+    rs, rp = g.upload(rows_seq), g.upload(rows_pos)
+    qo, ko, vo = g.empty((T, HQ, D), BF), g.empty((T, Hkv, D), BF), g.empty((T, Hkv, D), BF)
+    A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, ko, vo)
+    k, v, q_dense = g.download(ko), g.download(vo), g.download(qo)
+    g.fill(qo, 0xFF)
+    A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(sc.dk, sc.dv, rs, sc.dt))
+    assert (bits(g.download(qo)) == bits(q_dense)).all()
+    ek, ev = sc.k.copy(), sc.v.copy()
+    for s in range(3):
+        m = rows_seq == s
+        A.scatter(ek, sc.tables[s], rows_pos[m].astype(np.int64), k[m])
+        A.scatter(ev, sc.tables[s], rows_pos[m].astype(np.int64), v[m])
+    assert (bits(g.download(sc.dk)) == bits(ek)).all()
+    assert (bits(g.download(sc.dv)) == bits(ev)).all()
+    for a in (inv, wq, wk, qi, ki, vi, rs, rp, qo, ko, vo):
+        if a is not None:
+            g.free(a)
+    sc.close()
+
+
+# --- attention ---------------------------------------------------------------------------------------------
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_attention_prefill_chunks(g, geo):
+    """Prefill chunks of 512, 37 and 1 rows at the end of a context longer than the window, a chunk at the
+    start, and a launch mixing two sequences; the shared rows are bit-identical across the launches."""
+    D, Hkv, sliding, L = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["sliding"], GEO[geo]["ctx"]
+    Hq, W = GEO[geo]["Hq"], GEO[geo]["W"]
+    rng = np.random.default_rng(3)
+    sc = Scene(g, rng, [L, 700], Hkv, D)
+    q = rand_q(rng, L, D, Hq)                          # q of every position of seq 0
+    got = {}
+    for start, n in ((L - 512, 512), (L - 37, 37), (L - 1, 1), (0, 37)):
+        pos = np.arange(start, start + n)
+        o = run_attn(g, sc, q[start:start + n], np.zeros(n, np.int32), pos, {}, W, sliding)
+        report(f"attn {geo} prefill rows [{start}, {start + n})", o,
+               reference(sc, q[start:start + n], np.zeros(n, np.int64), pos, {}, W, sliding))
+        got[start] = o
+    assert (bits(got[L - 37]) == bits(got[L - 512][-37:])).all(), "37-row chunk differs from the 512-row chunk"
+    assert (bits(got[L - 1]) == bits(got[L - 512][-1:])).all(), "1-row chunk differs from the 512-row chunk"
+    # 37 rows of seq 0 and 17 rows of seq 1 together
+    q1 = rand_q(rng, 17, D, Hq)
+    qq = np.concatenate([q[L - 37:], q1])
+    rs = np.array([0] * 37 + [1] * 17, np.int32)
+    rp = np.concatenate([np.arange(L - 37, L), np.arange(683, 700)]).astype(np.int32)
+    o = run_attn(g, sc, qq, rs, rp, {}, W, sliding)
+    report(f"attn {geo} two sequences", o, reference(sc, qq, rs, rp, {}, W, sliding))
+    assert (bits(o[:37]) == bits(got[L - 37])).all(), "rows differ when another sequence shares the launch"
+    sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_attention_decode_batches(g, geo):
+    """Decode (one row per sequence) for 32 sequences of different lengths; the first 7 and the first one
+    alone give the same bytes."""
+    D, Hkv, sliding, Hq, W = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+    rng = np.random.default_rng(4)
+    lens = [1, 16, 17, 1024, 1025, 2500, 63, 64, 65] + list(rng.integers(1, 2500, 23))
+    sc = Scene(g, rng, lens, Hkv, D)
+    q = rand_q(rng, 32, D, Hq)
+    rs = np.arange(32, dtype=np.int32)
+    rp = np.array(lens, np.int32) - 1
+    o32 = run_attn(g, sc, q, rs, rp, {}, W, sliding)
+    report(f"attn {geo} decode x32", o32, reference(sc, q, rs, rp, {}, W, sliding))
+    for b in (7, 1):
+        ob = run_attn(g, sc, q[:b], rs[:b], rp[:b], {}, W, sliding)
+        report(f"attn {geo} decode x{b}", ob, reference(sc, q[:b], rs[:b], rp[:b], {}, W, sliding))
+        assert (bits(ob) == bits(o32[:b])).all(), f"decode x{b} differs from the same rows in a batch of 32"
+    # a different batch order: sequence 5's row in a reversed batch
+    orv = run_attn(g, sc, q[::-1].copy(), rs[::-1].copy(), rp[::-1].copy(), {}, W, sliding)
+    assert (bits(orv[::-1]) == bits(o32)).all(), "decode rows depend on their order in the batch"
+    sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geos", [("sliding", "full"), ("sliding64", "full128")])
+def test_gpu_attention_image_spans(g, geos):
+    """Sliding layer: rows inside an image block see the whole block (also keys beyond themselves); the
+    same rows decoded alone give the same bytes; a full layer ignores the spans."""
+    rng = np.random.default_rng(5)
+    L = 1500
+    spans = {0: [(50, 10), (1100, 280), (1400, 64)]}
+    for geo in geos:
+        D, Hkv, sliding, Hq, W = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+        sc = Scene(g, rng, [L, 40], Hkv, D)
+        q = rand_q(rng, 500, D, Hq)
+        pos = np.arange(1000, 1500)
+        o = run_attn(g, sc, q, np.zeros(500, np.int32), pos, spans, W, sliding)
+        ref = reference(sc, q, np.zeros(500, np.int64), pos, spans, W, sliding)
+        report(f"attn {geo} prefill [1000, 1500) with image spans", o, ref)
+        if sliding:
+            plain = reference(sc, q, np.zeros(500, np.int64), pos, {}, W, sliding)
+            assert np.abs(ref[100:380] - plain[100:380]).max() > 1e-3, "test does not exercise the image block"
+        else:
+            o2 = run_attn(g, sc, q, np.zeros(500, np.int32), pos, {}, W, sliding)
+            assert (bits(o) == bits(o2)).all(), "full layer output depends on spans"
+        for r in (100, 101, 250, 379, 380, 400, 463, 499):
+            o1 = run_attn(g, sc, q[r:r + 1], np.zeros(1, np.int32), pos[r:r + 1], spans, W, sliding)
+            assert (bits(o1) == bits(o[r:r + 1])).all(), f"row {r} alone differs"
+        sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_attention_bit_identity(g, geo):
+    """A query's output bytes are the same from a full prefill, from 37-row chunked prefill, from decode
+    (one row alone) and from a decode batch of 7 sequences."""
+    D, Hkv, sliding, L = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["sliding"], GEO[geo]["ctx"]
+    Hq, W = GEO[geo]["Hq"], GEO[geo]["W"]
+    rng = np.random.default_rng(6)
+    others = [900, 1700, 2048, 5, 300, 1200]
+    sc = Scene(g, rng, [L] + others, Hkv, D)
+    spans = {0: [(600, 280), (1200, 70)]} if sliding else {}
+    q = rand_q(rng, L, D, Hq)
+    allp = run_attn(g, sc, q, np.zeros(L, np.int32), np.arange(L), spans, W, sliding)
+    sample = np.unique(np.concatenate([rng.integers(0, L, 40), [0, 1, 15, 16, 63, 64, 1023, 1024, 1025, L - 1]]))
+    report(f"attn {geo} full prefill of {L} rows (sampled rows)", allp[sample],
+           reference(sc, q, np.zeros(L, np.int64), np.arange(L), spans, W, sliding)[sample])
+    chunks = [run_attn(g, sc, q[a:a + 37], np.zeros(min(37, L - a), np.int32), np.arange(a, min(a + 37, L)),
+                       spans, W, sliding) for a in range(0, L, 37)]
+    assert (bits(np.concatenate(chunks)) == bits(allp)).all(), "chunked prefill differs from one prefill"
+    qo = rand_q(rng, 6, D, Hq)
+    for r in sample[::4]:
+        o1 = run_attn(g, sc, q[r:r + 1], np.zeros(1, np.int32), [r], spans, W, sliding)
+        assert (bits(o1) == bits(allp[r:r + 1])).all(), f"decode of row {r} differs from prefill"
+        qb = np.concatenate([qo[:3], q[r:r + 1], qo[3:]])
+        rs = np.array([1, 2, 3, 0, 4, 5, 6], np.int32)
+        rp = np.array([899, 1699, 2047, r, 4, 299, 1199], np.int32)
+        ob = run_attn(g, sc, qb, rs, rp, spans, W, sliding)
+        assert (bits(ob[3:4]) == bits(allp[r:r + 1])).all(), f"row {r} in a decode batch of 7 differs"
+    sc.close()
+
+
+ODD = {"g4_d256_w20": (4, 1, 256, True, 20), "g2_d512_full": (6, 3, 512, False, 0),   # (Hq, Hkv, D, sliding, W)
+       "g1_d256_w7": (3, 3, 256, True, 7), "g2_d64_w32": (4, 2, 64, True, 32), "g4_d128_full": (4, 1, 128, False, 0),
+       "g1_d128_w20": (3, 3, 128, True, 20), "g3_d64_full": (6, 2, 64, False, 0), "g8_d64_w7": (8, 1, 64, True, 7)}
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("case", list(ODD))
+def test_gpu_attention_odd_small(g, case):
+    Hq, Hkv, D, sliding, window = ODD[case]
+    rng = np.random.default_rng(7)
+    lens = [3, 17, 40]
+    sc = Scene(g, rng, lens, Hkv, D)
+    spans = {2: [(5, 6), (20, 17)]} if sliding else {}
+    for T in (1, 3, 17):
+        rs = rng.integers(0, 3, T).astype(np.int32)
+        rp = np.array([rng.integers(0, lens[s]) for s in rs], np.int32)
+        # rows inside an image block need the whole block written: the pools already hold every position
+        q = rand_q(rng, T, D, Hq)
+        o = run_attn(g, sc, q, rs, rp, spans, window, sliding)
+        report(f"attn {case} T={T}", o, reference(sc, q, rs, rp, spans, window, sliding))
+    sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("D", [512, 64])
+def test_gpu_attention_max_keys_too_small_is_nan(g, D):
+    rng = np.random.default_rng(8)
+    sc = Scene(g, rng, [500], 2, D)
+    q = rand_q(rng, 1, D)
+    o = run_attn(g, sc, q, np.zeros(1, np.int32), [499], {}, W, False, max_keys=100)
+    assert np.isnan(f64(o)).all()
+    sc.close()
+
+
+@attn_needs_gpu
+def test_gpu_attention_graph_capture(g):
+    """Decode attention captured in a CUDA graph (caller-owned scratch) replays to the eager bytes."""
+    rng = np.random.default_rng(9)
+    D, Hkv = 256, 8
+    lens = [1024, 700, 3]
+    sc = Scene(g, rng, lens, Hkv, D)
+    q = g.upload(rand_q(rng, 3, D))
+    rs, rp = g.upload(np.arange(3, dtype=np.int32)), g.upload(np.array(lens, np.int32) - 1)
+    out = g.empty((3, HQ * D), BF)
+    work = A.attention_work(g, 3, HQ, D, W)
+    A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, W, True, out, work=work)
+    eager = g.download(out)
+    g.fill(out, 0xFF)
+    g.sync()
+    g.capture_begin()
+    A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, W, True, out, work=work)
+    graph = g.capture_end()
+    graph.replay()
+    assert (bits(g.download(out)) == bits(eager)).all()
+    graph.close()
+    for a in (q, rs, rp, out, work):
+        g.free(a)
+    sc.close()
+
+
+@attn_needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full"])
+def test_gpu_attention_decode_timing(g, geo):
+    """Decode at 1 and 32 sequences with 1k context: time per call, K/V bytes read, GB/s (printed)."""
+    D, Hkv, sliding = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["sliding"]
+    rng = np.random.default_rng(10)
+    ctx = 1024
+    sc = Scene(g, rng, [ctx] * 32, Hkv, D)
+    for B in (1, 32):
+        q = g.upload(rand_q(rng, B, D))
+        rs, rp = g.upload(np.arange(B, dtype=np.int32)), g.upload(np.full(B, ctx - 1, np.int32))
+        out = g.empty((B, HQ * D), BF)
+        mk = W if sliding else ctx
+        work = A.attention_work(g, B, HQ, D, mk)
+
+        def call():
+            A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, W, sliding, out, max_keys=mk, work=work)
+        for _ in range(3):
+            call()
+        g.sync()
+        reps, replays = 20, 5                          # timed through a graph: no Python launch overhead
+        g.capture_begin()
+        for _ in range(reps):
+            call()
+        graph = g.capture_end()
+        graph.replay()
+        g.sync()
+        e0, e1 = g.event(), g.event()
+        g.record(e0)
+        for _ in range(replays):
+            graph.replay()
+        g.record(e1)
+        ms = g.elapsed_ms(e0, e1) / (reps * replays)
+        graph.close()
+        kv = B * ctx * Hkv * D * 2 * 2                 # K and V rows of every key, bf16
+        scratch = B * HQ * A.attention_slots(mk) * (D + 2) * 4 * 2   # partials written + read back
+        print(f"attn decode {geo} B={B} ctx={ctx}: {ms * 1e3:.1f} us/call (graph replay), "
+              f"K/V {kv / 1e6:.2f} MB -> {kv / ms / 1e6:.0f} GB/s; scratch {scratch / 1e6:.2f} MB; "
+              f"at 3.5 TB/s {kv / 3.5e6:.1f} us")
+        for a in (q, rs, rp, out, work):
+            g.free(a)
+    sc.close()
+
+
+# ====================================================================================================
+# gpu_model
+# ====================================================================================================
+# --- the GPU backend against the numpy reference and transformers (skip without a GPU) ------------------
+import os
+
+import numpy as np
+import pytest
+
+import gpu
+import model as model_mod
+import span02
+from model import SeqStep
+
+model_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    return model_mod.load(span02.DEMO_DIR, device="cpu"), model_mod.load(span02.DEMO_DIR, device="gpu", max_len=4096)
+
+
+def _rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@model_needs_gpu
+def test_gpu_demo_logits_match_reference(demo_pair):
+    cpu, dev = demo_pair
+    ids = np.random.default_rng(21).integers(3, cpu.cfg.text.vocab, 4 * cpu.cfg.text.window + 11)
+    ref = cpu.logits(ids)
+    for chunk in (None, 13, 1):
+        got = dev.logits(ids, chunk=chunk)
+        err = _rel(got, ref)
+        agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+        print(f"demo gpu vs numpy, chunk {chunk}: max rel error {err:.3e}, argmax agreement {agree:.3f}")
+        assert np.isfinite(got).all() and err < 3e-2
+
+
+@model_needs_gpu
+def test_gpu_demo_bit_identical_across_batches_and_chunks(demo_pair):
+    """The same sequence's logits bytes alone, batched with 1, 7 and 31 others, and chunked differently; the same
+    decode rows with a prefix computed by another sequence (a prefix-cache hit)."""
+    _, dev = demo_pair
+    V, rng = dev.cfg.text.vocab, np.random.default_rng(5)
+    ids = tuple(int(t) for t in rng.integers(3, V, 90))
+    nb = -(-len(ids) // 16)
+    alone = dev.step([SeqStep(ids, 0, tuple(range(nb)), logits=True)])[0].logits
+    for chunk in (7, 16, 45):
+        parts = [dev.step([SeqStep(ids[a:a + chunk], a, tuple(range(nb)), logits=True)])[0].logits
+                 for a in range(0, len(ids), chunk)]
+        assert np.array_equal(np.concatenate(parts), alone), chunk
+    for others in (1, 7, 31):
+        seqs = [SeqStep(ids, 0, tuple(range(nb)), logits=True)]
+        for k in range(others):
+            n = int(rng.integers(1, 60))
+            base = nb * (k + 1)
+            seqs.append(SeqStep(tuple(int(t) for t in rng.integers(3, V, n)), 0, tuple(range(base, base + 4)),
+                                argmax=True))
+        assert np.array_equal(dev.step(seqs)[0].logits, alone), others
+    # prefix cache: blocks 0..3 (64 tokens) computed by sequence A are reused by B, which computes the rest
+    tail = tuple(range(200, 200 + nb - 4))
+    dev.step([SeqStep(ids[:64], 0, tuple(range(4)))])
+    hit = dev.step([SeqStep(ids[64:], 64, tuple(range(4)) + tail, logits=True)])[0].logits
+    assert np.array_equal(hit, alone[64:])
+
+
+@model_needs_gpu
+def test_gpu_demo_matches_transformers_bf16(demo_pair):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import json
+    from checkpoint import Checkpoint
+    cpu, dev = demo_pair
+    ck = Checkpoint(span02.DEMO_DIR)
+    with open(os.path.join(span02.DEMO_DIR, "config.json")) as f:
+        d = json.load(f)
+    hf = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=d["text_config"], vision_config=d["vision_config"], audio_config=None))
+    sd = _dequantized_state_dict(ck, cpu.cfg)          # from the CPU tier above
+    hf.load_state_dict(sd, strict=False)
+    hf = hf.to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = np.random.default_rng(8).integers(3, cpu.cfg.text.vocab, 3 * cpu.cfg.text.window)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids, device="cuda")[None]).logits[0].float().cpu().numpy()
+    ours, ref = dev.logits(ids), cpu.logits(ids)
+    print(f"demo: transformers bf16 vs numpy {_rel(theirs, ref):.3e}; ours vs numpy {_rel(ours, ref):.3e}; "
+          f"ours vs transformers bf16 {_rel(ours, theirs):.3e}")
+    assert _rel(ours, ref) <= max(2 * _rel(theirs, ref), 1e-2)
+
+
+@model_needs_gpu
+def test_gpu_midsize_real_geometry_matches_reference(tmp_path_factory):
+    """Real attention geometry (head dims 256/512, 16/8/2 heads, window 1024, 128 experts top-8, vocab 262144),
+    2 layers (one sliding, one full), a prompt longer than the window: readout logits of the last row."""
+    from bench import write_random_checkpoint
+    d = str(tmp_path_factory.mktemp("midsize"))
+    write_random_checkpoint(d, layers=2, vision=False, log=lambda *a: None)
+    dev = model_mod.load(d, device="gpu", kv_tokens=4096, max_len=4096)
+    cpu = model_mod.load(d, device="cpu", kv_tokens=4096)
+    rng = np.random.default_rng(3)
+    ids = tuple(int(t) for t in rng.integers(3, 262144, 1300))
+    keys = tuple(int(k) for k in rng.integers(3, 262144, 26))
+    tab = tuple(range(-(-len(ids) // 16)))
+    outs = []
+    for m in (cpu, dev):
+        outs.append(m.step([SeqStep(ids[:1000], 0, tab), ])[0])
+        outs.append(m.step([SeqStep(ids[1000:], 1000, tab, readout=keys, argmax=True)])[0])
+    ref, got = outs[1], outs[3]
+    kr, kg = np.array(ref.key_logits), np.array(got.key_logits)
+    err = np.abs(kg - kr).max() / np.abs(kr).max()
+    print(f"mid-size gpu vs numpy: key logits max rel error {err:.3e}, lse {got.logsumexp:.4f} vs {ref.logsumexp:.4f},"
+          f" argmax {got.argmax} vs {ref.argmax}")
+    assert err < 5e-2 and abs(got.logsumexp - ref.logsumexp) < 5e-2 * abs(ref.logsumexp)
+
+
+# ====================================================================================================
+# gpu_moe
+# ====================================================================================================
+"""GPU MoE (kernels_ptx/moe.cu, layers/moe.py GPU section) against the numpy reference: router vs moe.route,
+grouping vs a stable argsort, NVFP4 experts vs float64 of checkpoint.nvfp4_dequant, batch invariance, timing."""
+import os
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu  # noqa: E402
+from checkpoint import InMemoryCheckpoint, nvfp4_dequant  # noqa: E402
+from layers import moe  # noqa: E402
+from layers.mlp import gelu_tanh  # noqa: E402
+
+moe_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+MOE_REAL = dict(E=128, k=8, H=2816, I=704)
+SMALL = dict(E=8, k=2, H=64, I=32)
+PREFIX = "model.language_model.layers.3."
+
+
+# the GPU fixture `g` and `bf` (float32 -> bf16) come from the attention tier above
+
+
+# --- random NVFP4 experts -------------------------------------------------------------------------------
+
+def _scales(rng, shape):
+    """e4m3 scale bytes: mostly 0.5..4; 1% anywhere from 0 and the subnormals (2^-9: products down to 2^-10,
+    f16-subnormal, must stay exact) up to 16."""
+    s = rng.integers(0x30, 0x49, shape).astype(np.uint8)
+    wild = rng.random(shape) < 0.01
+    s[wild] = rng.integers(0x00, 0x59, int(wild.sum())).astype(np.uint8)
+    return s
+
+
+def make_experts(E, H, I, seed, modelopt_odd=False):
+    """InMemoryCheckpoint of per-expert NVFP4 Linears (random codes / scales; CT, gate and up sharing a
+    global scale except every third expert; ModelOpt for odd experts if modelopt_odd)."""
+    rng = np.random.default_rng(seed)
+    t = {}
+    for e in range(E):
+        mo = modelopt_odd and e % 2 == 1
+        shared = rng.uniform(150, 400)
+        for name, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            m = f"{PREFIX}experts.{e}.{name}."
+            gl = shared if name != "down_proj" and e % 3 else rng.uniform(150, 400)
+            t[m + ("weight" if mo else "weight_packed")] = rng.integers(0, 256, (n, k // 2)).astype(np.uint8)
+            t[m + "weight_scale"] = _scales(rng, (n, k // 16)).view(E4M3)
+            t[m + ("weight_scale_2" if mo else "weight_global_scale")] = np.array(
+                [1.0 / gl if mo else gl], np.float32)
+    return InMemoryCheckpoint(t)
+
+
+class Deq:
+    """Lazy float64 dequantized experts (the oracle's weights)."""
+
+    def __init__(self, ck):
+        self.ck, self.cache = ck, {}
+
+    def __call__(self, e):
+        if e not in self.cache:
+            ws = []
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                r = self.ck.linear_raw(f"{PREFIX}experts.{e}.{name}")
+                ws.append(nvfp4_dequant(r.weight, r.scale, r.global_scale, r.format == "nvfp4_modelopt")
+                          .astype(np.float64))
+            self.cache[e] = ws
+        return self.cache[e]
+
+
+def ref_experts(y, weights, idx, deq, round_u=False):
+    """moe.experts (experts in index order, contributions added in that order) with lazily dequantized weights,
+    float64; round_u: the bf16 intermediates the kernels (and transformers) store, u = gelu(gate)*up and each
+    slot's o*w, rounded to bf16 (everything else float64)."""
+    out = np.zeros(y.shape, np.float64)
+    for e in np.unique(idx):
+        tok, slot = np.nonzero(idx == e)
+        gate, up, down = deq(int(e))
+        u = gelu_tanh(y[tok] @ gate.T) * (y[tok] @ up.T)
+        if round_u:
+            u = u.astype(np.float32).astype(BF16).astype(np.float64)
+        o = (u @ down.T) * weights[tok, slot, None].astype(np.float64)
+        if round_u:
+            o = o.astype(np.float32).astype(BF16).astype(np.float64)
+        np.add.at(out, tok, o)
+    return out
+
+
+def make_routing(T, E, k, rng, pool=None, hot=None):
+    """idx (T, k) int32 distinct per row from `pool` (default all); `hot` expert in every row at a random slot;
+    weights (T, k) f32 positive."""
+    pool = np.arange(E) if pool is None else np.asarray(pool)
+    idx = np.empty((T, k), np.int32)
+    for t in range(T):
+        row = rng.choice(pool, k, replace=False)
+        if hot is not None and hot not in row:
+            row[rng.integers(k)] = hot
+        idx[t] = row
+    w = rng.uniform(0.02, 0.6, (T, k)).astype(np.float32)
+    return w, idx
+
+
+def run_moe(g, ex, x, w, idx, poison=True):
+    T, H = x.shape
+    k = idx.shape[1]
+    ws = moe.moe_workspace(g, T, ex["E"], k, H, ex["I"])
+    out = g.empty((T, H), BF16)
+    if poison:
+        for a in (out, ws["u"], ws["o"], ws["perm"], ws["offsets"], ws["active"], ws["n_active"]):
+            g.fill(a, 0xFF)
+    dx, dw, di = g.upload(x), g.upload(w), g.upload(idx)
+    moe.gpu(g, dx, None, dw, di, ex, out, ws)
+    res = g.download(out)
+    for a in [out, dx, dw, di] + [v for v in ws.values() if isinstance(v, gpu.DeviceArray)]:
+        g.free(a)
+    return res
+
+
+def compare(name, got, ref, rtol=1e-2, loose=False):
+    """max |got - ref| / (|ref| + rms(ref)) < rtol. loose (vs the unrounded float64 oracle, where the bf16
+    intermediates u and o*w add ~2^-9 of each slot's magnitude): max error / rms(ref) < 0.1 instead."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{name}: non-finite output (poison survived?)"
+    err = np.abs(got - ref)
+    scale = np.sqrt(np.mean(ref * ref)) + 1e-30
+    rel = err / (np.abs(ref) + scale)
+    print(f"{name}: max abs {err.max():.3e} (rms ref {scale:.3e}), max rel {rel.max():.3e}, "
+          f"max abs/rms {err.max() / scale:.3e}")
+    if loose:
+        assert err.max() / scale < 0.1, f"{name}: max error / rms {err.max() / scale:.3e}"
+    else:
+        assert rel.max() < rtol, f"{name}: max rel error {rel.max():.3e}"
+
+
+# --- grouping -------------------------------------------------------------------------------------------
+
+@moe_needs_gpu
+@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (3, 128, 8), (300, 128, 8), (2048, 128, 8), (17, 8, 2)])
+def test_gpu_group(g, T, E, k):
+    rng = np.random.default_rng(T)
+    _, idx = make_routing(T, E, k, rng, pool=np.arange(0, E, 3) if E > 16 else None, hot=E - 1)
+    P = T * k
+    ws = moe.moe_workspace(g, T, E, k, 16, 16)
+    for a in (ws["perm"], ws["offsets"], ws["active"], ws["n_active"]):
+        g.fill(a, 0xFF)
+    di = g.upload(idx)
+    g.launch(g.module("moe").function("group"), grid=(1,), block=(1024,),
+             args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]])
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=E)
+    act = np.nonzero(counts)[0]
+    assert np.array_equal(g.download(ws["perm"]), order)
+    assert np.array_equal(g.download(ws["offsets"]), np.concatenate([[0], np.cumsum(counts)]))
+    n = int(g.download(ws["n_active"])[0])
+    assert n == len(act) and np.array_equal(g.download(ws["active"])[:n], act)
+
+
+# --- router ---------------------------------------------------------------------------------------------
+
+def router_emul(h, proj, scale, pes, k, eps):
+    """The GPU's arithmetic in numpy (float64 logits/softmax): r rounded to bf16 three times as transformers."""
+    x = h.astype(np.float32)
+    ms = np.mean(x.astype(np.float64) ** 2, -1, keepdims=True).astype(np.float32)
+    r = bf(x * (np.float32(1) / np.sqrt(ms + np.float32(eps)))).astype(np.float32)
+    r = bf(r * scale).astype(np.float32)
+    r = bf(r * np.float32(h.shape[1] ** -0.5)).astype(np.float64)
+    logits = r @ proj.astype(np.float64).T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return p
+
+
+@moe_needs_gpu
+@pytest.mark.parametrize("T,shape", [(1, MOE_REAL), (3, MOE_REAL), (64, MOE_REAL), (17, SMALL), (5, dict(E=256, k=16, H=128, I=32))])
+def test_gpu_router(g, T, shape):
+    E, k, H = shape["E"], shape["k"], shape["H"]
+    rng = np.random.default_rng(100 + T)
+    eps = 1e-6
+    h = bf(rng.normal(0, 3, (T, H)) * rng.uniform(0.1, 10, (T, 1)))
+    proj = bf(rng.normal(0, 1.5, (E, H)))
+    scale = bf(rng.uniform(0.5, 2.0, H))
+    pes = bf(rng.uniform(0.5, 1.5, E)).astype(np.float32)
+    router = moe.upload_router(g, proj.astype(np.float32), scale.astype(np.float32), pes)
+    ws = moe.moe_workspace(g, T, E, k, H, 16)
+    dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    g.fill(dw, 0xFF); g.fill(di, 0xFF)
+    moe.router_gpu(g, g.upload(h), router, dw, di, ws, k, eps)
+    w_gpu, i_gpu = g.download(dw), g.download(di)
+    # exact-arithmetic emulation: indices equal except at near-ties
+    p = router_emul(h, proj, scale, pes, k, eps)
+    i_em = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    for t in range(T):
+        if not np.array_equal(i_gpu[t], i_em[t]):
+            pg, pe = p[t, i_gpu[t]], p[t, i_em[t]]
+            assert np.allclose(pg, pe, rtol=1e-4, atol=1e-9), f"token {t}: idx {i_gpu[t]} vs {i_em[t]}"
+    top = np.take_along_axis(p, i_gpu.astype(np.int64), -1)
+    w_em = top / top.sum(-1, keepdims=True) * pes[i_gpu]
+    err = np.abs(w_gpu - w_em) / np.abs(w_em)
+    print(f"router T={T} E={E}: weights vs emulation max rel {err.max():.3e}")
+    assert err.max() < 1e-4
+    # the CPU oracle (fp32, no bf16 rounding of r): same experts except near-ties, weights within bf16 noise
+    wr = {"router.scale": scale.astype(np.float32), "router.proj": proj.astype(np.float32),
+          "router.per_expert_scale": pes}
+    w_ref, i_ref = moe.route(h.astype(np.float32), wr, k, eps)
+    same = np.all(i_ref == i_gpu, -1)
+    print(f"router T={T}: {same.sum()}/{T} tokens with identical experts vs moe.route")
+    for t in np.nonzero(~same)[0]:
+        pr = np.sort(p[t])[::-1]
+        assert pr[k - 1] - pr[k] < 2e-2 * pr[k - 1] or set(i_ref[t]) == set(i_gpu[t]), f"token {t}: not a near-tie"
+    if same.any():
+        rel = np.abs(w_gpu[same] - w_ref[same]) / np.abs(w_ref[same])
+        print(f"router T={T}: weights vs moe.route max rel {rel.max():.3e}")
+        assert rel.max() < 5e-2                         # r rounded to bf16 (as transformers) moves logits ~1e-3
+    # batch invariance: token 0 alone
+    if T > 1:
+        dw1, di1 = g.empty((1, k), np.float32), g.empty((1, k), np.int32)
+        moe.router_gpu(g, g.upload(h[:1]), router, dw1, di1, moe.moe_workspace(g, 1, E, k, H, 16), k, eps)
+        assert g.download(dw1).tobytes() == w_gpu[:1].tobytes()
+        assert g.download(di1).tobytes() == i_gpu[:1].tobytes()
+
+
+# --- experts --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real(g):
+    ck = make_experts(MOE_REAL["E"], MOE_REAL["H"], MOE_REAL["I"], seed=7)
+    ex = moe.upload_experts(g, ck, PREFIX, MOE_REAL["E"], MOE_REAL["H"], MOE_REAL["I"])
+    return ck, ex, Deq(ck)
+
+
+POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used; the other 88 get no tokens
+
+
+@moe_needs_gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
+def test_gpu_experts_real(g, real, T):
+    ck, ex, deq = real
+    rng = np.random.default_rng(1000 + T)
+    x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])) * rng.uniform(0.3, 3, (T, 1)))
+    w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL, hot=5)
+    got = run_moe(g, ex, x, w, idx)
+    compare(f"experts real T={T} vs f64 (u rounded)", got, ref_experts(x.astype(np.float64), w, idx, deq, True))
+    compare(f"experts real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
+
+
+@moe_needs_gpu
+@pytest.mark.parametrize("T", [1, 3, 17, 40])
+def test_gpu_experts_small(g, T):
+    E, k, H, I = SMALL["E"], SMALL["k"], SMALL["H"], SMALL["I"]
+    ck = make_experts(E, H, I, seed=11, modelopt_odd=True)
+    ex = moe.upload_experts(g, ck, PREFIX, E, H, I)
+    deq = Deq(ck)
+    rng = np.random.default_rng(T)
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng, pool=[0, 1, 2, 3, 5, 7], hot=3)
+    got = run_moe(g, ex, x, w, idx)
+    compare(f"experts small T={T} vs f64 (u rounded)", got, ref_experts(x.astype(np.float64), w, idx, deq, True))
+    # and the literal CPU oracle, moe.experts, on the fused (E, 2I, H) layout
+    gate_up = np.stack([np.concatenate(deq(e)[:2]) for e in range(E)])
+    down = np.stack([deq(e)[2] for e in range(E)])
+    compare(f"experts small T={T} vs moe.experts", got, moe.experts(x.astype(np.float64), w, idx, gate_up, down),
+            loose=True)
+
+
+@moe_needs_gpu
+def test_gpu_experts_odd_sizes(g):
+    """H, I multiples of 16 but not of 32 / of the tiles (48, 80), E=5, k=3."""
+    E, k, H, I = 5, 3, 80, 48
+    ck = make_experts(E, H, I, seed=3, modelopt_odd=True)
+    ex = moe.upload_experts(g, ck, PREFIX, E, H, I)
+    rng = np.random.default_rng(5)
+    x = bf(rng.normal(0, 1, (9, H)))
+    w, idx = make_routing(9, E, k, rng)
+    compare("experts odd E=5 k=3 H=80 I=48", run_moe(g, ex, x, w, idx),
+            ref_experts(x.astype(np.float64), w, idx, Deq(ck), True))
+
+
+@moe_needs_gpu
+def test_gpu_batch_invariance(g, real):
+    ck, ex, deq = real
+    rng = np.random.default_rng(42)
+    T = 64
+    x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])))
+    w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL[:12], hot=5)   # big groups: tiles of 8/4/2/1
+    full = run_moe(g, ex, x, w, idx)
+    for t in (0, 1, 13, 63):
+        alone = run_moe(g, ex, x[t:t + 1], w[t:t + 1], idx[t:t + 1])
+        assert alone.tobytes() == full[t:t + 1].tobytes(), f"token {t}: alone != in batch of {T}"
+    for lo, hi in ((5, 12), (30, 62)):
+        part = run_moe(g, ex, x[lo:hi], w[lo:hi], idx[lo:hi])
+        assert part.tobytes() == full[lo:hi].tobytes(), f"rows {lo}:{hi}: sub-batch != full batch"
+
+
+@moe_needs_gpu
+def test_gpu_moe_with_router(g, real):
+    """gpu(weights=None) routes from h itself: same bytes as router_gpu + gpu."""
+    ck, ex, deq = real
+    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
+    rng = np.random.default_rng(9)
+    T = 5
+    router = moe.upload_router(g, bf(rng.normal(0, 1.5, (E, H))).astype(np.float32), np.ones(H, np.float32),
+                               np.ones(E, np.float32))
+    exr = dict(ex, **router)
+    h = bf(rng.normal(0, 2, (T, H)))
+    x = bf(rng.normal(0, 1, (T, H)))
+    dh, dx = g.upload(h), g.upload(x)
+    ws = moe.moe_workspace(g, T, E, k, H, I)
+    out1 = g.empty((T, H), BF16)
+    moe.gpu(g, dx, dh, None, None, exr, out1, ws, top_k=k, eps=1e-6)
+    dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
+    w, idx = g.download(dw), g.download(di)
+    assert g.download(out1).tobytes() == run_moe(g, ex, x, w, idx).tobytes()
+    compare("moe with router T=5", g.download(out1), ref_experts(x.astype(np.float64), w, idx, deq, True))
+
+
+@moe_needs_gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_timing(g, real, T):
+    ck, ex, deq = real
+    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
+    rng = np.random.default_rng(77)
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng)                          # random over all 128 experts
+    ws = moe.moe_workspace(g, T, E, k, H, I)
+    dx, dw, di, out = g.upload(x), g.upload(w), g.upload(idx), g.empty((T, H), BF16)
+    for _ in range(3):
+        moe.gpu(g, dx, None, dw, di, ex, out, ws)
+    g.sync()
+    n = 50
+    ev0, ev1 = g.event(), g.event()
+    g.record(ev0)
+    for _ in range(n):
+        moe.gpu(g, dx, None, dw, di, ex, out, ws)
+    g.record(ev1)
+    ms = g.elapsed_ms(ev0, ev1) / n
+    act = len(np.unique(idx))
+    nbytes = moe.moe_bytes(act, H, I)
+    print(f"moe T={T}: {act} experts, {nbytes / 1e6:.2f} MB weights, {ms * 1e3:.1f} us/call "
+          f"({nbytes / ms / 1e6:.0f} GB/s; 3.5 TB/s would be {nbytes / 3.5e12 * 1e6:.1f} us)")
+    # per kernel, by graph-free single launches
+    m = g.module("moe")
+    P = T * k
+    gy = min(E, P)
+    steps = {
+        "group": lambda: g.launch(m.function("group"), grid=(1,), block=(1024,),
+                                  args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]]),
+        "gate_up": lambda: g.launch(m.function("gate_up_nvfp4" + moe._VARIANT[moe._cap(T, H)]), grid=((I + 7) // 8, gy), block=(128,),
+                                    args=[dx, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ex["gw"],
+                                          ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k,
+                                          moe._cap(T, H)], shared=moe._cap(T, H) * H * 2),
+        "down": lambda: g.launch(m.function("moe_down_nvfp4" + moe._VARIANT[moe._cap(T, I)]), grid=((H + 15) // 16, gy), block=(128,),
+                                 args=[ws["u"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ex["dw"],
+                                       ex["ds"], ex["gsc"], dw, ws["o"], H, I, moe._cap(T, I)],
+                                 shared=moe._cap(T, I) * I * 2),
+        "combine": lambda: g.launch(m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
+                                    args=[ws["o"], di, out, T, H, k, E]),
+    }
+    for name, f in steps.items():
+        g.record(ev0)
+        for _ in range(n):
+            f()
+        g.record(ev1)
+        print(f"  {name}: {g.elapsed_ms(ev0, ev1) / n * 1e3:.1f} us")
+    # router
+    router = moe.upload_router(g, bf(rng.normal(0, 1, (E, H))).astype(np.float32), np.ones(H, np.float32),
+                               np.ones(E, np.float32))
+    dh = g.upload(x)
+    g.record(ev0)
+    for _ in range(n):
+        moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
+    g.record(ev1)
+    print(f"  router: {g.elapsed_ms(ev0, ev1) / n * 1e3:.1f} us ({E * H * 2 / 1e6:.2f} MB)")
+    t0 = time.perf_counter()
+    g.sync()
+    assert time.perf_counter() - t0 < 60
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--regen-golden"]:
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)

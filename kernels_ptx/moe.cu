@@ -5,6 +5,9 @@
 // Shapes (same letters as Python): T tokens, H hidden, E experts, k top-k, P = T*k (token, slot) pairs,
 // I expert intermediate. A pair p = t*k + s is token t's slot s.
 //
+// Expert kernels come in token-tile-cap variants (moe_gate_up_nvfp4[_c4|_c2|_c1], moe_down_nvfp4[...]) that
+// differ only in registers; the launcher picks by min(8, T).
+//
 // Determinism: every output element has a fixed reduction order that depends only on K (the in-feature
 // count) and the lane layout, never on T, on the group sizes or on which tokens share an expert; no float
 // atomics anywhere. A row's bytes are identical alone or inside any batch.
@@ -81,8 +84,9 @@ extern "C" __global__ void __launch_bounds__(128) router_logits_bf16(
     float acc[RT];
     #pragma unroll
     for (int tt = 0; tt < RT; ++tt) acc[tt] = 0.f;
-    for (int c = lane; c < H / 8; c += 32) {
-        const uint4 wv = *(const uint4*)(pr + 8 * c);
+    #pragma unroll 4
+    for (int c = lane; c < H / 8; c += 32) {                     // unrolled for loads in flight; order unchanged
+        const uint4 wv = __ldg((const uint4*)(pr + 8 * c));
         const uint32_t wa[4] = {wv.x, wv.y, wv.z, wv.w};
         #pragma unroll
         for (int tt = 0; tt < RT; ++tt) {

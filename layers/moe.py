@@ -133,6 +133,9 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps):
              args=[logits, router["router_pes"], weights, idx, T, E, top_k])
 
 
+_VARIANT = {8: "", 4: "_c4", 2: "_c2", 1: "_c1"}    # kernel compiled for that token-tile cap (registers)
+
+
 def _cap(T, K):
     """Token-tile cap of the expert kernels: <= 8, <= T (a token hits an expert at most once), and the tile of
     cap rows of K bf16 fits 48 KiB of dynamic shared memory. Powers of two only."""
@@ -149,6 +152,8 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
     E, H, I = experts["E"], experts["H"], experts["I"]
     T = x_normed.shape[0]
     bf = _bf16()
+    if T == 0:
+        return out
     if weights is None:
         k = top_k
         weights = workspace.setdefault("weights", g.empty((workspace["T"], k), np.float32))
@@ -159,8 +164,6 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
         router_gpu(g, h, experts, weights, idx, workspace, k, eps)
     k = weights.shape[1]
     P = T * k
-    if T == 0:
-        return out
     _check(x_normed, (T, H), bf, "x_normed"); _check(out, (T, H), bf, "out")
     _check(weights, (T, k), np.float32, "weights"); _check(idx, (T, k), np.int32, "idx")
     if E > 256 or k > 16 or H % 16 or I % 16:
@@ -175,11 +178,11 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
              args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]])
     gy = min(E, P)
     cap_gu, cap_d = _cap(T, H), _cap(T, I)
-    g.launch(m.function("moe_gate_up_nvfp4"), grid=((I + 7) // 8, gy), block=(128,),
+    g.launch(m.function("moe_gate_up_nvfp4" + _VARIANT[cap_gu]), grid=((I + 7) // 8, gy), block=(128,),
              args=[x_normed, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["gw"], experts["gs"],
                    experts["uw"], experts["us"], experts["gsc"], ws["u"], H, I, k, cap_gu],
              shared=cap_gu * H * 2)
-    g.launch(m.function("moe_down_nvfp4"), grid=((H + 15) // 16, gy), block=(128,),
+    g.launch(m.function("moe_down_nvfp4" + _VARIANT[cap_d]), grid=((H + 15) // 16, gy), block=(128,),
              args=[ws["u"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["dw"], experts["ds"],
                    experts["gsc"], weights, ws["o"], H, I, cap_d],
              shared=cap_d * I * 2)
