@@ -4269,7 +4269,7 @@ def test_gpu_timing(g, real, T):
     steps = {
         "group": lambda: g.launch(m.function("moe_group"), grid=(1,), block=(1024,),
                                   args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]]),
-        "gate_up": lambda: g.launch(m.function("gate_up_nvfp4" + moe._VARIANT[moe._cap(T, H)]), grid=((I + 7) // 8, gy), block=(128,),
+        "gate_up": lambda: g.launch(m.function("moe_gate_up_nvfp4" + moe._VARIANT[moe._cap(T, H)]), grid=((I + 7) // 8, gy), block=(128,),
                                     args=[dx, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ex["gw"],
                                           ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k,
                                           moe._cap(T, H)], shared=moe._cap(T, H) * H * 2),
