@@ -82,8 +82,8 @@ def _nvfp4(rng, e_rows, k):
 # --- the writer ------------------------------------------------------------------------------------------
 
 def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
-    """Write the full-size random span-02 checkpoint (config.json, shards, index; tokenizer from the demo
-    is NOT included: the bench feeds token ids). Returns the total bytes written."""
+    """Write the full-size random span-02 checkpoint (config.json, shards, index, and the demo's tokenizer so
+    that the server can run on it). Returns the total bytes written."""
     os.makedirs(out_dir, exist_ok=True)
     text = dict(FULL_TEXT, num_hidden_layers=layers)
     types = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
@@ -159,6 +159,11 @@ def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, f, indent=1)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+    # the demo's tokenizer (512 ids, every special token by name): enough for a random model to serve requests
+    import shutil
+    demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(demo, name), os.path.join(out_dir, name))
     log(f"wrote {total / 2**30:.2f} GiB in {time.time() - t0:.1f} s to {out_dir}")
     return total
 
