@@ -218,6 +218,35 @@ def time_steps(m, batch, context, steps, rng):
     return float(np.median(times[2:]))
 
 
+def decide(m, ckpt_dir, stem_tokens=512):
+    """One question with a ~512-token stem through the engine (no HTTP), serial, tau 0.8, cap 16: the answer
+    exists, and the first readout's time (the trace's readout stage: question start to readout)."""
+    from config import EngineConfig, PolicyConfig
+    from engine import Engine
+    from policy import Question, Request
+    from prompt import Prompter
+    pr = Prompter(ckpt_dir)
+    words = "the ship left the harbour at noon with grain for the islands and the office logged it".split()
+    context = " ".join(words[i % len(words)] for i in range(stem_tokens))
+    while len(pr.stem("", context, [], "Which ship?", ["a", "b", "c", "d"], []).tokens) > stem_tokens:
+        context = context[: int(len(context) * 0.95)]
+    cfg = EngineConfig(model_dir=ckpt_dir, max_len=2304, max_batch=64, serial=True,
+                       policy=PolicyConfig(tau=0.8, cap=16))
+    eng = Engine(m, pr, cfg)
+    eng.start()
+    try:
+        t0 = time.perf_counter()
+        res = eng.submit(Request(id="bench", context=context, policy=cfg.policy, questions=[
+            Question(id="q", text="Which ship?", choices=["a", "b", "c", "d"])])).result(timeout=300)
+        wall = time.perf_counter() - t0
+    finally:
+        eng.stop(drain_timeout=5)
+    a = res["answers"][0]
+    return {"decision": f"{a['answer']} {a['stop']} {a['reasoning_tokens']} tokens",
+            "readout_ms_engine": a["trace"][0]["ms"], "decision_wall_ms": round(wall * 1e3, 1),
+            "decision_prompt_tokens": res["usage"]["prompt_tokens"]}
+
+
 def run(ckpt_dir, log=print):
     import model as model_mod
     from config import load_model_config
@@ -249,6 +278,7 @@ def run(ckpt_dir, log=print):
     for _ in range(3):
         m.step([SeqStep(ids, 0, tab, argmax=True)])
     r["prefill_2k"] = round(3 * 2048 / (time.perf_counter() - t0), 0)
+    r.update(decide(m, ckpt_dir))
     for k, v in r.items():
         log(f"{k:>20}: {v}")
     print(json.dumps(r))
