@@ -4,7 +4,7 @@
     python bench.py run [DIR]                  write it (if DIR has none), load it on the GPU, time the engine
                                                steps; the last line is one JSON object
 
-So far `run` times the model's step directly (eager launches, no CUDA graphs yet): decode at batch 1 / 16 / 64
+So far `run` times the model's step directly (decode as CUDA-graph replays, prefill eager): decode at batch 1 / 16 / 64
 with ~1k context, a 2k-token prefill, the load, the weights' GPU memory, and bytes per decode step against
 the measured copy bandwidth. The server-level figures (readout_ms, decisions_s) and `--peer` are to come.
 

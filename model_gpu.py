@@ -9,8 +9,14 @@ the layout of the CPU reference), and one workspace sized for `max_rows` rows pe
 views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
-The step is eager (Python launches per layer); decode as one CUDA-graph replay per batch bucket is the
-next step (performance.md), and the vision tower still runs on the CPU (numpy).
+Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer. A pure decode step
+(every sequence 1 token, no images, no full logits) is ONE CUDA-graph replay (performance.md): the batch is
+padded to a bucket B in DECODE_BUCKETS; the graph of each bucket is captured at load over fixed buffers (inputs,
+workspace views of B rows, block tables of max_blocks columns, MAX_KEYS_OUT readout keys), so a decode step is
+one HtoD upload of its inputs, one graph launch and one DtoH download (the only host sync), and allocates
+nothing. Pad rows are dummy sequences at position 0 of a reserved scratch KV block (the pool's last block,
+hidden from `num_blocks`); every kernel computes a row from that row's inputs alone, so they cannot touch the
+real rows, and the replay gives the eager step's bytes. The vision tower still runs on the CPU (numpy).
 """
 from __future__ import annotations
 
@@ -33,10 +39,13 @@ from model import SeqOut, StepTools
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
 MAX_KEYS_OUT = 26              # option keys A..Z
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (<= max_seqs, max_rows)
+PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 
 
 class GpuModel(StepTools):
-    def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=2048, max_seqs=256, max_len=8192, name="model"):
+    def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=2048, max_seqs=256, max_len=8192, name="model",
+                 graphs=True):
         t = cfg.text
         self.cfg, self.name, self.device = cfg, name, "gpu"
         self.g = g = gpu.GPU()
@@ -69,12 +78,20 @@ class GpuModel(StepTools):
             w["experts"] = upload_experts(g, ck, q, t.experts, H, t.expert_intermediate)
             self.layers.append(w)
         self.weight_bytes = g.allocated_bytes
-        self.num_blocks = max(1, math.ceil(kv_tokens / BLOCK))
-        # per layer: K and V pools (blocks, 16, Hkv, D) bf16
-        self.k_pool = [g.empty((self.num_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
-        self.v_pool = [g.empty((self.num_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
+        # per layer: K and V pools (blocks, 16, Hkv, D) bf16. With graphs the last block is the decode pad rows'
+        # scratch block: the users (scheduler) see num_blocks = one fewer.
+        pool_blocks = max(2 if graphs else 1, math.ceil(kv_tokens / BLOCK))
+        self.num_blocks = pool_blocks - 1 if graphs else pool_blocks
+        self.scratch_block = pool_blocks - 1 if graphs else None
+        self.k_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
+        self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
         self._workspace()
         self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
+        self.decode_graphs, self.graph_launches, self._dec = {}, {}, {}    # per bucket B: Graph, launches, buffers
+        self.decode_graph_steps = 0                                        # steps served by a replay
+        self.stats = {"launches_per_decode_step": {}, "host_syncs_per_decode_step": 1}
+        if graphs:
+            self.capture_decode_graphs()
 
     def _workspace(self):
         g, t, R, S = self.g, self.cfg.text, self.max_rows, self.max_seqs
@@ -109,6 +126,9 @@ class GpuModel(StepTools):
     def step(self, seqs):
         g, t = self.g, self.cfg.text
         g.bind()                                   # the engine steps from its own thread
+        B = self._decode_bucket(seqs)
+        if B is not None:
+            return self._decode_step(B, seqs)
         lens = [len(s.tokens) for s in seqs]
         T, S = sum(lens), len(seqs)
         if T > self.max_rows or S > self.max_seqs:
@@ -141,7 +161,7 @@ class GpuModel(StepTools):
             self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
         return self._head(seqs, offsets, lens)
 
-    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans):
+    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None):
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
         x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
@@ -158,7 +178,7 @@ class GpuModel(StepTools):
         attn = self._v("attn", T, Hq * D)
         attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
                       spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
-                      work=self.ws["attn_work"])
+                      max_keys=max_keys, work=self.ws["attn_work"])
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
         rmsnorm_gpu(g, a, w["post_attention_layernorm"], h, eps, add=x)                 # h = x + norm(a)
         rmsnorm_gpu(g, h, w["pre_feedforward_layernorm"], xn, eps)
@@ -227,3 +247,126 @@ class GpuModel(StepTools):
         return SeqOut(argmax=int(res["argmax"][r]) if s.argmax else None,
                       key_logits=tuple(float(res["keys_out"][r, col[k]]) for k in s.readout) if s.readout else None,
                       logsumexp=float(res["lse"][r]) if s.readout else None)
+
+    # --- decode as one CUDA-graph replay per batch bucket ---------------------------------------------------
+    def _decode_bucket(self, seqs):
+        """The bucket B of a pure decode step (every sequence 1 token, no images, no full logits, a table within
+        max_blocks, at most MAX_KEYS_OUT distinct readout keys) that has a graph; else None (eager step)."""
+        if not self.decode_graphs or not seqs:
+            return None
+        for s in seqs:
+            if len(s.tokens) != 1 or s.images or s.logits or len(s.blocks) > self.max_blocks:
+                return None
+        B = next((b for b in self.decode_graphs if b >= len(seqs)), None)    # buckets ascending
+        if B is None or len({k for s in seqs for k in s.readout}) > MAX_KEYS_OUT:
+            return None
+        return B
+
+    def _decode_buffers(self, B):
+        """Fixed device buffers of bucket B, each with a host mirror: `inp` int32 = ids (B) | pos (B) | rows_seq
+        (B) | tables (B, max_blocks) | keys (MAX_KEYS_OUT), uploaded in one copy per step; `out` 4-byte words =
+        argmax (B) int32 | lse (B) f32 | keys_out (B, MAX_KEYS_OUT) f32, downloaded in one copy per step."""
+        g, mb, K = self.g, self.max_blocks, MAX_KEYS_OUT
+        n_in = 3 * B + B * mb + K
+        inp, out = g.empty((n_in,), np.int32), g.empty((B * (2 + K),), np.float32)
+        host_in, host_out = np.zeros(n_in, np.int32), np.zeros(B * (2 + K), np.float32)
+        d = dict(inp=inp, out=out, host_in=host_in, host_out=host_out,
+                 ids=g.view(inp, 0, (B,), np.int32), pos=g.view(inp, 4 * B, (B,), np.int32),
+                 rows_seq=g.view(inp, 8 * B, (B,), np.int32), tables=g.view(inp, 12 * B, (B, mb), np.int32),
+                 keys=g.view(inp, 4 * (3 * B + B * mb), (K,), np.int32),
+                 am=g.view(out, 0, (B,), np.int32), lse=g.view(out, 4 * B, (B,), np.float32),
+                 keys_out=g.view(out, 8 * B, (B, K), np.float32),
+                 h_ids=host_in[:B], h_pos=host_in[B:2 * B], h_tables=host_in[3 * B:3 * B + B * mb].reshape(B, mb),
+                 h_keys=host_in[3 * B + B * mb:])
+        host_in[2 * B:3 * B] = np.arange(B, dtype=np.int32)   # rows_seq: row j is sequence j (constant)
+        return d
+
+    def _decode_inputs(self, d, seqs, keys):
+        """Fill bucket buffers' host mirror: real rows first, then pad rows (PAD_TOKEN at position 0 of the scratch
+        block); keys padded with a repeated valid key. One upload."""
+        S = len(seqs)
+        d["h_ids"][:S] = [s.tokens[0] for s in seqs]
+        d["h_ids"][S:] = PAD_TOKEN
+        d["h_pos"][:S] = [s.start for s in seqs]
+        d["h_pos"][S:] = 0
+        tab = d["h_tables"]
+        tab[:] = 0
+        tab[S:, 0] = self.scratch_block
+        for j, s in enumerate(seqs):
+            tab[j, :len(s.blocks)] = s.blocks
+        d["h_keys"][:len(keys)] = keys
+        d["h_keys"][len(keys):] = keys[0] if keys else PAD_TOKEN
+        self.g.upload(d["host_in"], out=d["inp"])
+
+    def _decode_body(self, B, d):
+        """The decode step of B rows over the bucket's fixed buffers: what the graph captures. The same
+        launchers and arguments as the eager step; every grid depends on B only; the head runs on all B rows."""
+        g, t = self.g, self.cfg.text
+        x = self._v("x", B, t.hidden)
+        embed_gpu(g, self.embed_table, d["ids"], x, self.embed_scale)
+        for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
+            # spans None: decode rows carry no image block (the eager step passes all-unused spans: same key
+            # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
+            mk = min(t.window, self.max_blocks * BLOCK) if geo.sliding else self.max_blocks * BLOCK
+            self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk)
+        zn = self._v("zn", B, t.hidden)
+        rmsnorm_gpu(g, x, self.final_norm, zn, t.eps)           # the eager head's gather (x * 1.0) is exact
+        logits = g.view(self.ws["logits"], 0, (B, t.vocab), np.float32)
+        head_gpu(g, zn, self.embed_table, logits)
+        if t.softcap:
+            softcap_gpu(g, logits, t.softcap)
+        argmax_gpu(g, logits, d["am"], self.ws["head_work"])
+        readout_gpu(g, logits, d["keys"], d["lse"], d["keys_out"], self.ws["head_work"])
+
+    def capture_decode_graphs(self):
+        """Capture one decode graph per bucket B <= min(max_seqs, max_rows) (after weights, pools and workspace):
+        per bucket, allocate its buffers, run the body once eagerly on pad rows (loads the modules, sets the
+        kernels' shared-memory attributes: no driver set-up call is left for the capture), capture it, replay it
+        once. Records graph_launches[B] and stats."""
+        g = self.g
+        g.bind()
+        cap = min(self.max_seqs, self.max_rows)
+        for B in DECODE_BUCKETS:
+            if B > cap:
+                break
+            d = self._decode_buffers(B)
+            self._decode_inputs(d, [], [])
+            self._decode_body(B, d)                            # warm-up, eager
+            g.sync()
+            before = g.allocated_bytes
+            g.capture_begin()
+            try:
+                self._decode_body(B, d)
+            except Exception as e:
+                try:                                           # leave the stream out of capture mode
+                    g.capture_end().close()
+                except Exception:
+                    pass
+                raise RuntimeError(f"decode graph capture, bucket {B}: {e} (graphs=False loads the eager step)") from e
+            graph = g.capture_end()
+            if g.allocated_bytes != before:
+                raise RuntimeError(f"decode graph B={B}: the capture allocated device memory")
+            graph.replay()
+            g.sync()
+            self._dec[B], self.decode_graphs[B], self.graph_launches[B] = d, graph, graph.launches
+        self.stats = {"launches_per_decode_step": dict(self.graph_launches), "host_syncs_per_decode_step": 1}
+
+    def _decode_step(self, B, seqs):
+        """Upload the inputs (async), replay bucket B's graph, download argmax / lse / key logits in one copy."""
+        d = self._dec[B]
+        keys = sorted({k for s in seqs for k in s.readout})
+        self._decode_inputs(d, seqs, keys)
+        self.decode_graphs[B].replay()
+        out = self.g.download(d["out"], out=d["host_out"])      # the step's only host sync
+        self.decode_graph_steps += 1
+        K = MAX_KEYS_OUT
+        res = {"keys": keys, "argmax": out[:B].view(np.int32), "lse": out[B:2 * B],
+               "keys_out": out[2 * B:].reshape(B, K)}
+        return [self._out(s, res, j) if (s.readout or s.argmax) else SeqOut() for j, s in enumerate(seqs)]
+
+    def close(self):
+        """Destroy the decode graphs and free every device buffer (the GPU object is closed)."""
+        for graph in self.decode_graphs.values():
+            graph.close()
+        self.decode_graphs.clear()
+        self.g.close()

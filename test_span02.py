@@ -4299,6 +4299,138 @@ def test_gpu_timing(g, real, T):
     g.sync()
     assert time.perf_counter() - t0 < 60
 
+# ====================================================================================================
+# === GPU decode graphs ===
+# ====================================================================================================
+# --- pure decode steps as one CUDA-graph replay per batch bucket (model_gpu, graphs=True) against the eager
+# step of a second instance (graphs=False): byte-identical outputs, no allocation, one host sync per step.
+import numpy as np
+import pytest
+
+import gpu
+import model as model_mod
+import span02
+from model import SeqStep
+
+
+@pytest.fixture(scope="module")
+def graph_pair():
+    on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024)
+    off = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, graphs=False)
+    yield on, off
+    on.close()
+    off.close()
+
+
+def _graph_out_bytes(o):
+    """A SeqOut's argmax, key logits and logsumexp as bytes (exact comparison, NaN- and -0.0-safe)."""
+    return (o.argmax, None if o.key_logits is None else np.asarray(o.key_logits, np.float32).tobytes(),
+            None if o.logsumexp is None else np.float32(o.logsumexp).tobytes(), o.logits)
+
+
+def _graph_prefill(models, n, rng, steps=8):
+    """Identical prefill of n random prompts (1..50 tokens, fewer for large n so that the step fits max_rows;
+    disjoint blocks with room for `steps` more) on every model -> (list of (tokens, blocks, readout keys), first
+    decode tokens). Readout keys: subsets of one pool of 26 ids, in varying orders (their union fits
+    MAX_KEYS_OUT, so decode stays on the graph)."""
+    V, longest = models[0].cfg.text.vocab, min(50, min(m.max_rows for m in models) // n)
+    pool = [int(k) for k in rng.choice(np.arange(3, V), 26, replace=False)]
+    seqs, base = [], 0
+    for j in range(n):
+        L = int(rng.integers(1, longest + 1))
+        nb = -(-(L + steps + 1) // 16)
+        keys = () if j % 3 == 1 else tuple(pool) if j % 3 == 2 else tuple(
+            int(k) for k in rng.permutation(pool)[:int(rng.integers(1, 6))])
+        seqs.append((tuple(int(t) for t in rng.integers(3, V, L)), tuple(range(base, base + nb)), keys))
+        base += nb
+    assert base <= min(m.num_blocks for m in models)
+    outs = [m.step([SeqStep(t, 0, b, readout=k, argmax=True) for t, b, k in seqs]) for m in models]
+    for o in outs[1:]:
+        assert [_graph_out_bytes(a) for a in o] == [_graph_out_bytes(a) for a in outs[0]]
+    return seqs, [o.argmax for o in outs[0]]
+
+
+def _graph_decode(seqs, toks, step):
+    """The decode step `step` (0-based) of every sequence: one token, argmax, its readout keys."""
+    return [SeqStep((int(tok),), len(t) + step, b, readout=k, argmax=True) for (t, b, k), tok in zip(seqs, toks)]
+
+
+@model_needs_gpu
+@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+def test_gpu_graph_decode_matches_eager(graph_pair, batch):
+    """After an identical prefill, 8 greedy decode steps through the graphs (padded to the bucket) and through the
+    eager step give byte-identical argmax, key logits and logsumexp."""
+    on, off = graph_pair
+    rng = np.random.default_rng(100 + batch)
+    seqs, toks = _graph_prefill([on, off], batch, rng)
+    n0 = on.decode_graph_steps
+    for step in range(8):
+        got = on.step(_graph_decode(seqs, toks, step))
+        ref = off.step(_graph_decode(seqs, toks, step))
+        assert [_graph_out_bytes(a) for a in got] == [_graph_out_bytes(a) for a in ref], (batch, step)
+        assert all(o.argmax is not None and 0 <= o.argmax < on.cfg.text.vocab for o in got)
+        toks = [o.argmax for o in got]
+    assert on.decode_graph_steps == n0 + 8 and off.decode_graph_steps == 0
+    bucket = next(b for b in sorted(on.graph_launches) if b >= batch)
+    print(f"batch {batch}: bucket {bucket}, {on.graph_launches[bucket]} launches per replay, 8 steps byte-identical")
+
+
+@model_needs_gpu
+def test_gpu_graph_decode_allocates_nothing(graph_pair):
+    on, _ = graph_pair
+    rng = np.random.default_rng(7)
+    seqs, toks = _graph_prefill([on], 5, rng, steps=20)
+    before, n0 = on.g.allocated_bytes, on.decode_graph_steps
+    for step in range(20):
+        toks = [o.argmax for o in on.step(_graph_decode(seqs, toks, step))]
+        assert on.g.allocated_bytes == before, step
+    assert on.decode_graph_steps == n0 + 20
+
+
+@model_needs_gpu
+def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
+    on, _ = graph_pair
+    stats = on.stats
+    print("launches per decode step (one replay each):", stats["launches_per_decode_step"])
+    assert stats["host_syncs_per_decode_step"] == 1
+    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64]
+    assert all(n > 0 for n in stats["launches_per_decode_step"].values())
+    seqs, toks = _graph_prefill([on], 6, np.random.default_rng(9))
+    counts = {}
+
+    def counting(name, f):
+        def wrapped(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return f(*a, **k)
+        return wrapped
+
+    for name in ("sync", "download", "upload", "empty", "launch", "capture_begin"):
+        monkeypatch.setattr(on.g, name, counting(name, getattr(on.g, name)))   # download's own sync counts too
+    n0 = on.decode_graph_steps
+    on.step(_graph_decode(seqs, toks, 0))
+    assert on.decode_graph_steps == n0 + 1
+    print("one decode step:", counts)
+    assert counts == {"sync": 1, "download": 1, "upload": 1}
+
+
+@model_needs_gpu
+def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
+    """A step with a prefill chunk, full logits, or a batch above the largest bucket runs eagerly, same bytes."""
+    on, off = graph_pair
+    rng = np.random.default_rng(11)
+    seqs, toks = _graph_prefill([on, off], 65, rng)
+    n0 = on.decode_graph_steps
+    for batch in (_graph_decode(seqs, toks, 0),                                 # 65 > 64: no bucket
+                  _graph_decode(seqs[:2], toks[:2], 1)[:1] + [SeqStep(seqs[1][0][-1:] * 3, len(seqs[1][0]) + 1,
+                                                                      seqs[1][1], argmax=True)]):
+        got, ref = on.step(batch), off.step(batch)
+        assert [_graph_out_bytes(a) for a in got] == [_graph_out_bytes(a) for a in ref]
+    got = on.step([SeqStep((int(toks[0]),), len(seqs[0][0]) + 2, seqs[0][1], logits=True)])[0].logits
+    ref = off.step([SeqStep((int(toks[0]),), len(seqs[0][0]) + 2, seqs[0][1], logits=True)])[0].logits
+    assert np.array_equal(got, ref)
+    assert on.decode_graph_steps == n0
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--regen-golden"]:
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
