@@ -1,6 +1,73 @@
 """span02 tests, in tiers: number formats and the loader; the numpy reference against transformers;
 the prompt layer; image preprocessing and the vision tower; the server end to end with a real client.
 GPU tests skip themselves where there is no GPU. Run: python -m pytest test_span02.py"""
+import base64
+import concurrent.futures
+import copy
+import filecmp
+import gzip
+import hashlib
+import http.client
+import io
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import string
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+import urllib.request
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+import zstandard
+from PIL import Image, ImageFile, ImageOps
+from compressed_tensors.compressors import FloatQuantizationCompressor, NVFP4PackedCompressor
+from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+from compressed_tensors.utils.match import match_name
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+from transformers.image_transforms import convert_to_rgb
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+import checkpoint as ck
+import config
+import gpu
+import layers.linear as lin_mod
+import model as model_mod
+import prompt
+import span02
+import vision
+import wire
+from checkpoint import BF16, E4M3, InMemoryCheckpoint, LinearRaw, e4m3_encode, fp8_dequant, nvfp4_dequant
+from config import EngineConfig, PolicyConfig, Rope, vision_config
+from engine import Engine, EngineError, calibrate
+from layers import attention as A, moe, vision_tower
+from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
+from layers.linear import head_gpu, linear_gpu, upload_linear
+from layers.mlp import gelu_tanh
+from layers.norm import rmsnorm, rmsnorm_gpu
+from model import SeqStep
+from policy import Question, Request, check_cost_table, r9
+from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
+from scheduler import BLOCK, Scheduler, Seq, TooLarge
 
 
 # ====================================================================================================
@@ -8,28 +75,10 @@ GPU tests skip themselves where there is no GPU. Run: python -m pytest test_span
 # ====================================================================================================
 """checkpoint.py: number formats, NVFP4/FP8 against compressed-tensors' own code, ModelOpt formulas, the
 loader against transformers-written checkpoints, and the span-02 writer / --quantize path."""
-import json
-import os
-import sys
-
-import ml_dtypes
-import numpy as np
-import pytest
-import torch
 
 
-import checkpoint as ck  # noqa: E402
-from compressed_tensors.compressors import FloatQuantizationCompressor, NVFP4PackedCompressor  # noqa: E402
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # noqa: E402
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme  # noqa: E402
-from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
-from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4  # noqa: E402
-from compressed_tensors.utils.match import match_name  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig  # noqa: E402
 
-BF16 = ml_dtypes.bfloat16
+
 TP = 'model.language_model.'
 
 
@@ -546,20 +595,9 @@ def test_save_safetensors_dtypes_and_determinism(tmp_path):
 # model
 # ====================================================================================================
 # --- the numpy reference against transformers ----------------------------------------------------------
-import filecmp
-import json
-import os
-import subprocess
-import sys
 
-import numpy as np
-import pytest
 
-import span02
-from model import SeqStep
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -712,8 +750,7 @@ def test_help_works():
 def test_multimodal_logits_match_transformers(tmp_path):
     """One and two images with text around them: soft tokens replace the <|image|> rows, and on sliding layers
     each image block attends bidirectionally (transformers given mm_token_type_ids)."""
-    from PIL import Image
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers import Gemma4VisionConfig
     from model import ImageRows
     import vision
     text = Gemma4TextConfig(hidden_size_per_layer_input=0, use_bidirectional_attention="vision",
@@ -757,15 +794,8 @@ def test_multimodal_logits_match_transformers(tmp_path):
 # prompt
 # ====================================================================================================
 """prompt.py: the demo tokenizer, the Gemma-4 stem layout (policy.md "Prompt"), loud loader checks."""
-import hashlib
-import json
-import random
-import string
 
-import numpy as np
-import pytest
 
-from prompt import _WORDS, LETTERS, SPECIALS, PromptError, Prompter, make_demo_tokenizer
 
 # sha256 of the demo files: byte identity on every machine, not only between two calls here.
 DEMO_SHA256 = {"tokenizer.json": "f632ae94dcaec31b99bb1e7204783b0bf7a8e38268054ae71f4fe99db9dd4e1e",
@@ -938,7 +968,6 @@ def test_bad_stem_arguments_are_loud(pr):
 
 
 def test_transformers_reads_the_demo_tokenizer(demo, pr):
-    transformers = pytest.importorskip("transformers")
     tk = transformers.AutoTokenizer.from_pretrained(str(demo))
     text = "Hello world, what colour is the light? ünïcødé 日本 🙂\n\nOptions:\nA. red"
     assert tk(text, add_special_tokens=False)["input_ids"] == pr.encode(text)
@@ -954,21 +983,10 @@ def test_transformers_reads_the_demo_tokenizer(demo, pr):
 Reference call: Gemma4ImageProcessorPil()(images=Image.open(BytesIO(data)), max_soft_tokens=T, return_tensors="np")
 i.e. the PIL object Pillow gives for the same bytes; outputs must be bit-identical.
 """
-import io
-import math
-import struct
-import time
-import tracemalloc
-import zlib
 
-import numpy as np
-import pytest
-from PIL import Image, ImageFile, ImageOps
 
-import vision
 
 transformers_gemma4 = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")
-from transformers.image_transforms import convert_to_rgb  # noqa: E402
 
 BUDGETS = (70, 140, 280, 560, 1120)
 
@@ -1200,22 +1218,9 @@ tiny random Gemma4ForConditionalGeneration models, fp32, inputs from transformer
 Weights go through save_pretrained and are read back by name through a checkpoint object (checkpoint.py's
 Checkpoint when it exists, else the small safetensors stand-in below), as the engine loads them.
 """
-import json
-import os
-import time
 
-import numpy as np
-import pytest
-import torch
-from PIL import Image
-from safetensors import safe_open
 
-from config import vision_config
-from layers import vision_tower
 
-transformers = pytest.importorskip("transformers")
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: E402
-from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil  # noqa: E402
 
 try:
     from checkpoint import Checkpoint
@@ -1327,24 +1332,9 @@ def test_padding_rows_are_irrelevant(tiny_vision):
 # ====================================================================================================
 """Engine, scheduler and policy on a tiny random model (CPU, seconds): allocator and prefix-cache
 invariants, the policy's stops and blends, determinism across serving modes, admission and errors."""
-import math
-import sys
-import tempfile
-import threading
-import time
 
-import zlib
 
-import numpy as np
-import pytest
 
-import config
-import model as model_mod
-import prompt
-from config import EngineConfig, PolicyConfig
-from engine import Engine, EngineError, calibrate
-from policy import Question, Request, check_cost_table, r9
-from scheduler import BLOCK, Scheduler, Seq, TooLarge
 
 # --- a tiny random model ------------------------------------------------------------------------------
 
@@ -1747,31 +1737,9 @@ def test_calibrate_table(demo_prompter):
 # ====================================================================================================
 """wire.py end to end: the real server on 127.0.0.1 port 0 in a thread, a fake engine, real clients
 (http.client and raw sockets). No GPU, no model."""
-import base64
-import concurrent.futures
-import gzip
-import http.client
-import io
-import json
-import os
-import random
-import socket
-import string
-import struct
-import sys
-import threading
-import time
-import tracemalloc
-import zlib
 
-import pytest
-import zstandard
 
 sys.path.insert(0, __file__.rsplit("/tests_parts/", 1)[0])
-import vision  # noqa: E402
-import wire  # noqa: E402
-from config import EngineConfig, PolicyConfig  # noqa: E402
-from engine import EngineError  # noqa: E402
 
 
 # --- fake engine ----------------------------------------------------------------------------------
@@ -2376,28 +2344,8 @@ def test_shutdown_from_the_serving_thread():
 # ====================================================================================================
 # --- the server end to end on the demo model: real engine, real HTTP, real client ---------------------
 # (uses start_wire, http_call, png_bytes from the wire tests above)
-import base64
-import concurrent.futures
-import copy
-import io
-import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
-import numpy as np
-import pytest
 
-import model as model_mod
-import span02
-from config import EngineConfig, PolicyConfig
-from engine import Engine
-from prompt import Prompter
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 E2E_DEVICE = os.environ.get("SPAN02_TEST_DEVICE", "cpu")    # "gpu": the end-to-end tests on the GPU backend
@@ -2644,11 +2592,17 @@ def test_sigterm_under_load_finishes_in_flight_and_exits_0():
             with urllib.request.urlopen(rq, timeout=60) as r:
                 return r.status, json.loads(r.read())
 
+        def running():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                return json.loads(r.read())["queue"]["running"]
+
         with concurrent.futures.ThreadPoolExecutor(6) as ex:
             futs = [ex.submit(call) for _ in range(6)]
-            time.sleep(0.5)                       # requests are in flight (each thinks 300 tokens x 4)
-            assert not any(f.done() for f in futs)
-            proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while not running() and time.monotonic() - t0 < 30:
+                time.sleep(0.005)
+            proc.send_signal(signal.SIGTERM)      # while requests think (300 tokens x 4 questions each)
+            assert sum(not f.done() for f in futs) > 0
             time.sleep(0.3)
             with pytest.raises(OSError):          # new connections are refused
                 socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -2690,23 +2644,16 @@ def test_readme_examples_work():
 """The driver runtime (buffers, fill, views, launch, graphs, errors) and the elementwise kernels (embedding,
 RMSNorm and its fused forms, soft-cap, argmax, readout) against numpy at the real model's shapes and odd ones:
 outputs poisoned first, errors printed, row bytes checked alone vs in a batch."""
-import zlib
 
-import ml_dtypes
-import numpy as np
-import pytest
 
-import gpu
-from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
-from layers.norm import rmsnorm, rmsnorm_gpu
 
-rt_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
+needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no CUDA GPU")   # on every GPU test (never module-wide)
 RT_BF16 = np.dtype(ml_dtypes.bfloat16)
 RT_H, RT_V, RT_EPS = 2816, 262144, 1e-6
 
 
 @pytest.fixture(scope="module")
-def rt_g():
+def g():
     g = gpu.GPU()
     yield g
     g.close()
@@ -2739,9 +2686,9 @@ def _rt_out(g, shape, dtype):
 
 
 # --- runtime --------------------------------------------------------------------------------------------
-@rt_needs_gpu
-def test_gpu_runtime_memory(rt_g):
-    g, rng = rt_g, np.random.default_rng(0)
+@needs_gpu
+def test_gpu_runtime_memory(g):
+    g, rng = g, np.random.default_rng(0)
     print(g.name, g.capability, g.sm_count, "SMs")
     for n in (1, 7, 4097, (1 << 20) + 3):
         b = rng.integers(0, 256, n, dtype=np.uint8)
@@ -2767,11 +2714,11 @@ def test_gpu_runtime_memory(rt_g):
     assert g.allocated_bytes == live - 4000
 
 
-@rt_needs_gpu
-def test_gpu_runtime_graph_replay(rt_g):
+@needs_gpu
+def test_gpu_runtime_graph_replay(g):
     """Eager launches and a captured graph of the same launches give the same bytes; the graph reads the
     buffers' current contents at replay."""
-    g, rng = rt_g, np.random.default_rng(1)
+    g, rng = g, np.random.default_rng(1)
     T = 5
     x, res = g.upload(_rt_bf16(rng.normal(size=(T, RT_H)))), g.upload(_rt_bf16(rng.normal(size=(T, RT_H))))
     w = g.upload(_rt_bf16(rng.normal(1, 0.2, RT_H)))
@@ -2812,9 +2759,9 @@ def test_gpu_runtime_graph_replay(rt_g):
     graph.close()
 
 
-@rt_needs_gpu
-def test_gpu_runtime_errors(rt_g, tmp_path, monkeypatch):
-    g = rt_g
+@needs_gpu
+def test_gpu_runtime_errors(g, tmp_path, monkeypatch):
+    g = g
     with pytest.raises(gpu.CudaError) as e:
         g.module("elementwise").function("no_such_kernel")
     print(e.value)
@@ -2840,10 +2787,10 @@ def test_gpu_runtime_errors(rt_g, tmp_path, monkeypatch):
 
 
 # --- embedding ------------------------------------------------------------------------------------------
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("V,H,T", [(4096, RT_H, 1), (4096, RT_H, 17), (300, 17, 3), (50, 100, 7)])
-def test_gpu_embed(rt_g, V, H, T):
-    g, rng = rt_g, np.random.default_rng(V + H + T)
+def test_gpu_embed(g, V, H, T):
+    g, rng = g, np.random.default_rng(V + H + T)
     table = _rt_bf16(rng.normal(0, 0.05, (V, H)))
     ids = rng.integers(0, V, T).astype(np.int32)
     ids[0], ids[-1] = V - 1, 0
@@ -2856,9 +2803,9 @@ def test_gpu_embed(rt_g, V, H, T):
     assert got.tobytes() == ref.tobytes()
 
 
-@rt_needs_gpu
-def test_gpu_embed_bad_id_is_nan(rt_g):
-    g = rt_g
+@needs_gpu
+def test_gpu_embed_bad_id_is_nan(g):
+    g = g
     table = _rt_bf16(np.ones((10, 16)))
     out = _rt_out(g, (3, 16), RT_BF16)
     embed_gpu(g, g.upload(table), g.upload(np.array([1, 10, -1], np.int32)), out, 2.0)
@@ -2897,12 +2844,12 @@ def _rt_norm_run(g, x, w, res, s, ld=None):
     return g.download(out)
 
 
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("shape", [(1, RT_H), (3, RT_H), (17, RT_H), (5, 16, 256), (3, 16, 512), (2, 8, 256),
                                    (4, 17), (3, 100), (7, 16, 72), (2, 1152), (1, 5000)])
 @pytest.mark.parametrize("variant", ["plain", "noscale", "add", "add_scale"])
-def test_gpu_rmsnorm(rt_g, shape, variant):
-    g, rng = rt_g, np.random.default_rng(zlib.crc32(repr((shape, variant)).encode()))
+def test_gpu_rmsnorm(g, shape, variant):
+    g, rng = g, np.random.default_rng(zlib.crc32(repr((shape, variant)).encode()))
     x, w, res, s = _rt_norm_case(rng, shape, variant != "noscale", variant.startswith("add"),
                                  -0.37 if variant == "add_scale" else None)
     got = _rt_norm_run(g, x, w, res, s).astype(np.float64)
@@ -2917,10 +2864,10 @@ def test_gpu_rmsnorm(rt_g, shape, variant):
     assert np.mean(got != exact) < 1e-2
 
 
-@rt_needs_gpu
-def test_gpu_rmsnorm_strided_heads_in_place(rt_g):
+@needs_gpu
+def test_gpu_rmsnorm_strided_heads_in_place(g):
     """q_norm on the q columns of a fused (T, (16 + 8 + 8) * 256) qkv row, written in place."""
-    g, rng = rt_g, np.random.default_rng(5)
+    g, rng = g, np.random.default_rng(5)
     T, Hq, D, W = 3, 16, 256, (16 + 8 + 8) * 256
     qkv = _rt_bf16(rng.normal(0, 2, (T, W)))
     w = _rt_bf16(rng.normal(1, 0.3, D))
@@ -2934,10 +2881,10 @@ def test_gpu_rmsnorm_strided_heads_in_place(rt_g):
     assert got[:, Hq * D:].tobytes() == qkv[:, Hq * D:].astype(np.float64).tobytes()   # k, v untouched
 
 
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("shape", [(RT_H,), (16, 256), (2, 512)])
-def test_gpu_rmsnorm_batch_invariance(rt_g, shape):
-    g, rng = rt_g, np.random.default_rng(6)
+def test_gpu_rmsnorm_batch_invariance(g, shape):
+    g, rng = g, np.random.default_rng(6)
     x, w, res, s = _rt_norm_case(rng, (32,) + shape, True, True, 0.5)
     for T in (7, 32):
         batch = _rt_norm_run(g, x[:T], w, res[:T], s)
@@ -2947,10 +2894,10 @@ def test_gpu_rmsnorm_batch_invariance(rt_g, shape):
 
 
 # --- head: soft-cap, argmax, readout --------------------------------------------------------------------
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T,V", [(3, RT_V), (1, 1001)])
-def test_gpu_softcap(rt_g, T, V):
-    g, rng = rt_g, np.random.default_rng(T + V)
+def test_gpu_softcap(g, T, V):
+    g, rng = g, np.random.default_rng(T + V)
     z = (rng.normal(0, 40, (T, V))).astype(np.float32)
     a = g.upload(z)
     softcap_gpu(g, a, 30.0)
@@ -2970,10 +2917,10 @@ def _rt_logits(rng, T, V):
     return z
 
 
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T,V", [(1, RT_V), (7, RT_V), (4, 2047), (5, 2049), (17, 5000), (1, 1)])
-def test_gpu_argmax(rt_g, T, V):
-    g, rng = rt_g, np.random.default_rng(T * V)
+def test_gpu_argmax(g, T, V):
+    g, rng = g, np.random.default_rng(T * V)
     z = _rt_logits(rng, T, V)
     out = _rt_out(g, T, np.int32)
     argmax_gpu(g, g.upload(z), out, _rt_out(g, head_work_bytes(T, V), np.uint8))
@@ -2982,10 +2929,10 @@ def test_gpu_argmax(rt_g, T, V):
     assert np.array_equal(got, ref)
 
 
-@rt_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T,V", [(1, RT_V), (7, RT_V), (3, 1000), (17, 2049)])
-def test_gpu_readout(rt_g, T, V):
-    g, rng = rt_g, np.random.default_rng(T + 2 * V)
+def test_gpu_readout(g, T, V):
+    g, rng = g, np.random.default_rng(T + 2 * V)
     z = _rt_logits(rng, T, V)
     if T >= 4:
         z[min(4, T - 1), :min(V, 2048)] = -np.inf    # a whole -inf chunk
@@ -3006,9 +2953,9 @@ def test_gpu_readout(rt_g, T, V):
     print(f"  key mass of row 0: {mass:.3e}")
 
 
-@rt_needs_gpu
-def test_gpu_head_batch_invariance(rt_g):
-    g, rng = rt_g, np.random.default_rng(9)
+@needs_gpu
+def test_gpu_head_batch_invariance(g):
+    g, rng = g, np.random.default_rng(9)
     z = _rt_logits(rng, 32, RT_V)[::-1].copy()       # special rows at the end of the batch
     z[-4] = 0                                        # lse needs finite rows; keep one all-equal row
     keys = np.arange(65, 91, dtype=np.int32)
@@ -3030,10 +2977,10 @@ def test_gpu_head_batch_invariance(rt_g):
                 assert a[:1].tobytes() == b[r:r + 1].tobytes(), (T, r)
 
 
-@rt_needs_gpu
-def test_gpu_elementwise_timing(rt_g):
+@needs_gpu
+def test_gpu_elementwise_timing(g):
     """Decode-shape timings (T = 1), graph-replayed 200 times; printed for BENCHMARKS.md, not asserted."""
-    g, rng = rt_g, np.random.default_rng(10)
+    g, rng = g, np.random.default_rng(10)
     x = g.upload(_rt_bf16(rng.normal(size=(1, RT_H))))
     w, y = g.upload(_rt_bf16(rng.normal(size=RT_H))), g.empty((1, RT_H), RT_BF16)
     q, qw = g.upload(_rt_bf16(rng.normal(size=(1, 16, 512)))), g.upload(_rt_bf16(rng.normal(size=512)))
@@ -3067,19 +3014,10 @@ def test_gpu_elementwise_timing(rt_g):
 """GPU weight-only linears (kernels_ptx/linear.cu, layers/linear.py) against numpy: every FP8 scale granularity
 and bf16 at the model's shapes and odd ones, all e4m3 codes exact, batch invariance, the tied head, timings.
 Reference: checkpoint.fp8_dequant / bf16 weights in float64 against the bf16-rounded x."""
-import os
-import sys
 
-import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gpu  # noqa: E402
-from checkpoint import BF16, E4M3, LinearRaw, e4m3_encode, fp8_dequant  # noqa: E402
-import layers.linear as lin_mod  # noqa: E402
-from layers.linear import head_gpu, linear_gpu, upload_linear  # noqa: E402
 
-_lin_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
 _LIN_FORMATS = ('fp8_channel', 'fp8_tensor', 'fp8_block', 'bf16')
 
 
@@ -3133,7 +3071,7 @@ REAL = [(4096, 2816), (2816, 4096), (8192, 2816), (2816, 8192), (2048, 2816), (1
         (2112, 2816), (2816, 2112)]
 
 
-@_lin_gpu
+@needs_gpu
 @pytest.mark.parametrize('fmt', _LIN_FORMATS)
 def test_gpu_linear_real_shapes(lin_g, fmt):
     rng = np.random.default_rng(1)
@@ -3148,7 +3086,7 @@ def test_gpu_linear_real_shapes(lin_g, fmt):
         _lin_free(lin_g, lin)
 
 
-@_lin_gpu
+@needs_gpu
 @pytest.mark.parametrize('fmt', _LIN_FORMATS)
 def test_gpu_linear_odd_shapes(lin_g, fmt):
     rng = np.random.default_rng(2)
@@ -3162,7 +3100,7 @@ def test_gpu_linear_odd_shapes(lin_g, fmt):
             _lin_free(lin_g, lin)
 
 
-@_lin_gpu
+@needs_gpu
 def test_gpu_linear_e4m3_codes_exact(lin_g):
     """Every finite e4m3 code, per-tensor scale 1, one-hot x: y[t, n] = W[n, t] exactly (covers the
     register dequant incl. subnormals and signs, and the fragment/K mapping one column at a time)."""
@@ -3179,7 +3117,7 @@ def test_gpu_linear_e4m3_codes_exact(lin_g):
     _lin_free(lin_g, lin)
 
 
-@_lin_gpu
+@needs_gpu
 @pytest.mark.parametrize('fmt', _LIN_FORMATS)
 def test_gpu_linear_batch_invariance(lin_g, fmt):
     """Row r's bytes are the same alone (T=1), in batches of 7 / 33 / 64 / 65 (at other positions) and at T=300:
@@ -3208,7 +3146,7 @@ def _lin_head_table(rng, v, h):
     return table, lambda x: (x.astype(np.float64) @ blk.astype(np.float64).T)[:, None, :] * fac[None, :, None]
 
 
-@_lin_gpu
+@needs_gpu
 def test_gpu_linear_head(lin_g):
     g, rng = lin_g, np.random.default_rng(4)
     v, h = 262144, 2816
@@ -3242,7 +3180,7 @@ def _lin_time(g, launch, iters):
     return ms
 
 
-@_lin_gpu
+@needs_gpu
 def test_gpu_linear_timing(lin_g):
     """q_proj (4096x2816 fp8 channel; 8 copies cycled so the 11.5 MB weight is not served from the 50 MB L2)
     and the head (262144x2816 bf16, 1.48 GB) at T=1 and T=16, with achieved GB/s of the weight read; q_proj at
@@ -3289,18 +3227,9 @@ non-contiguous random blocks; table entries past a sequence's blocks point at a 
 tail of a sequence's last block is NaN too, so a kernel that reads a key it must not see shows up as NaN.
 Outputs are poisoned (0xFF = bf16 NaN) before every launch.
 """
-import math
 
-import ml_dtypes
-import numpy as np
-import pytest
 
-import gpu
-from config import Rope
-from layers import attention as A
-from layers.norm import rmsnorm
 
-attn_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")   # on every GPU test
 
 BF = ml_dtypes.bfloat16
 HQ, W, EPS = 16, 1024, 1e-6
@@ -3310,13 +3239,6 @@ GEO = {"sliding": dict(D=256, Hkv=8, Hq=HQ, W=W, sliding=True, ctx=1500),
        "sliding64": dict(D=64, Hkv=2, Hq=4, W=32, sliding=True, ctx=1500),
        "full128": dict(D=128, Hkv=1, Hq=4, W=32, sliding=False, ctx=3000)}
 GEOS = list(GEO)
-
-
-@pytest.fixture(scope="module")
-def g():
-    g = gpu.GPU()
-    yield g
-    g.close()
 
 
 def bf(x):
@@ -3442,7 +3364,7 @@ def test_gpu_attend64_is_attend():
 
 # --- q/k/v norm + rope ------------------------------------------------------------------------------------
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_qkv_prep(g, geo):
     D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
@@ -3503,7 +3425,7 @@ def test_gpu_qkv_prep(g, geo):
 
 # --- KV scatter --------------------------------------------------------------------------------------------
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_kv_write(g, geo):
     D, Hkv = GEO[geo]["D"], GEO[geo]["Hkv"]
@@ -3528,7 +3450,7 @@ def test_gpu_kv_write(g, geo):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_qkv_prep_fused_kv_write(g, geo):
     """qkv_prep_gpu(kv=pools) stores into the pools exactly the k / v rows the dense outputs hold."""
@@ -3566,7 +3488,7 @@ def test_gpu_qkv_prep_fused_kv_write(g, geo):
 
 # --- attention ---------------------------------------------------------------------------------------------
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_attention_prefill_chunks(g, geo):
     """Prefill chunks of 512, 37 and 1 rows at the end of a context longer than the window, a chunk at the
@@ -3596,7 +3518,7 @@ def test_gpu_attention_prefill_chunks(g, geo):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_attention_decode_batches(g, geo):
     """Decode (one row per sequence) for 32 sequences of different lengths; the first 7 and the first one
@@ -3620,7 +3542,7 @@ def test_gpu_attention_decode_batches(g, geo):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geos", [("sliding", "full"), ("sliding64", "full128")])
 def test_gpu_attention_image_spans(g, geos):
     """Sliding layer: rows inside an image block see the whole block (also keys beyond themselves); the
@@ -3648,7 +3570,7 @@ def test_gpu_attention_image_spans(g, geos):
         sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_attention_bit_identity(g, geo):
     """A query's output bytes are the same from a full prefill, from 37-row chunked prefill, from decode
@@ -3684,7 +3606,7 @@ ODD = {"g4_d256_w20": (4, 1, 256, True, 20), "g2_d512_full": (6, 3, 512, False, 
        "g1_d128_w20": (3, 3, 128, True, 20), "g3_d64_full": (6, 2, 64, False, 0), "g8_d64_w7": (8, 1, 64, True, 7)}
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("case", list(ODD))
 def test_gpu_attention_odd_small(g, case):
     Hq, Hkv, D, sliding, window = ODD[case]
@@ -3702,7 +3624,7 @@ def test_gpu_attention_odd_small(g, case):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("D", [512, 64])
 def test_gpu_attention_max_keys_too_small_is_nan(g, D):
     rng = np.random.default_rng(8)
@@ -3713,7 +3635,7 @@ def test_gpu_attention_max_keys_too_small_is_nan(g, D):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 def test_gpu_attention_graph_capture(g):
     """Decode attention captured in a CUDA graph (caller-owned scratch) replays to the eager bytes."""
     rng = np.random.default_rng(9)
@@ -3739,7 +3661,7 @@ def test_gpu_attention_graph_capture(g):
     sc.close()
 
 
-@attn_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("geo", ["sliding", "full"])
 def test_gpu_attention_decode_timing(g, geo):
     """Decode at 1 and 32 sequences with 1k context: time per call, K/V bytes read, GB/s (printed)."""
@@ -3787,17 +3709,9 @@ def test_gpu_attention_decode_timing(g, geo):
 # gpu_model
 # ====================================================================================================
 # --- the GPU backend against the numpy reference and transformers (skip without a GPU) ------------------
-import os
 
-import numpy as np
-import pytest
 
-import gpu
-import model as model_mod
-import span02
-from model import SeqStep
 
-model_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -3822,7 +3736,7 @@ def _err_line(e):
 # Random weights route some rows to experts near a top-k tie; bf16 rounding flips those (transformers' own bf16
 # model flips them too), so the bound is on the median and the 90th percentile of the per-position error, the
 # reach of bf16 on this model, measured against transformers in bf16 below.
-@model_needs_gpu
+@needs_gpu
 def test_gpu_demo_logits_match_reference(demo_pair):
     cpu, dev = demo_pair
     ids = np.random.default_rng(21).integers(3, cpu.cfg.text.vocab, 4 * cpu.cfg.text.window + 11)
@@ -3835,7 +3749,7 @@ def test_gpu_demo_logits_match_reference(demo_pair):
         assert np.isfinite(got).all() and np.median(e) < 0.05 and np.quantile(e, 0.9) < 0.1 and agree >= 0.85
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_demo_bit_identical_across_batches_and_chunks(demo_pair):
     """The same sequence's logits bytes alone, batched with 1, 7 and 31 others, and chunked differently; the same
     decode rows with a prefix computed by another sequence (a prefix-cache hit)."""
@@ -3863,11 +3777,8 @@ def test_gpu_demo_bit_identical_across_batches_and_chunks(demo_pair):
     assert np.array_equal(hit, alone[64:])
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_demo_matches_transformers_bf16(demo_pair):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    import json
     from checkpoint import Checkpoint
     cpu, dev = demo_pair
     ck = Checkpoint(span02.DEMO_DIR)
@@ -3890,7 +3801,7 @@ def test_gpu_demo_matches_transformers_bf16(demo_pair):
         assert np.quantile(e_ours, q) <= 2 * np.quantile(e_theirs, q) + 5e-3
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_midsize_real_geometry_matches_reference(tmp_path_factory):
     """Real attention geometry (head dims 256/512, 16/8/2 heads, window 1024, 128 experts top-8, vocab 262144),
     2 layers (one sliding, one full), a prompt longer than the window: readout logits of the last row."""
@@ -3919,24 +3830,11 @@ def test_gpu_midsize_real_geometry_matches_reference(tmp_path_factory):
 # ====================================================================================================
 """GPU MoE (kernels_ptx/moe.cu, layers/moe.py GPU section) against the numpy reference: router vs moe.route,
 grouping vs a stable argsort, NVFP4 experts vs float64 of checkpoint.nvfp4_dequant, batch invariance, timing."""
-import os
-import sys
-import time
 
-import ml_dtypes
-import numpy as np
-import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import gpu  # noqa: E402
-from checkpoint import InMemoryCheckpoint, nvfp4_dequant  # noqa: E402
-from layers import moe  # noqa: E402
-from layers.mlp import gelu_tanh  # noqa: E402
 
-moe_needs_gpu = pytest.mark.skipif(not gpu.available(), reason="no GPU")
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 MOE_REAL = dict(E=128, k=8, H=2816, I=704)
 SMALL = dict(E=8, k=2, H=64, I=32)
 PREFIX = "model.language_model.layers.3."
@@ -4057,7 +3955,7 @@ def compare(name, got, ref, rtol=1e-2, loose=False):
 
 # --- grouping -------------------------------------------------------------------------------------------
 
-@moe_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T,E,k", [(1, 128, 8), (3, 128, 8), (300, 128, 8), (2048, 128, 8), (17, 8, 2)])
 def test_gpu_group(g, T, E, k):
     rng = np.random.default_rng(T)
@@ -4094,7 +3992,7 @@ def router_emul(h, proj, scale, pes, k, eps):
     return p
 
 
-@moe_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T,shape", [(1, MOE_REAL), (3, MOE_REAL), (64, MOE_REAL), (17, SMALL), (5, dict(E=256, k=16, H=128, I=32))])
 def test_gpu_router(g, T, shape):
     E, k, H = shape["E"], shape["k"], shape["H"]
@@ -4155,7 +4053,7 @@ def real(g):
 POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used; the other 88 get no tokens
 
 
-@moe_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
 def test_gpu_experts_real(g, real, T):
     ck, ex, deq = real
@@ -4167,7 +4065,7 @@ def test_gpu_experts_real(g, real, T):
     compare(f"experts real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
 
 
-@moe_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T", [1, 3, 17, 40])
 def test_gpu_experts_small(g, T):
     E, k, H, I = SMALL["E"], SMALL["k"], SMALL["H"], SMALL["I"]
@@ -4186,7 +4084,7 @@ def test_gpu_experts_small(g, T):
             loose=True)
 
 
-@moe_needs_gpu
+@needs_gpu
 def test_gpu_experts_odd_sizes(g):
     """H, I multiples of 16 but not of 32 / of the tiles (48, 80), E=5, k=3."""
     E, k, H, I = 5, 3, 80, 48
@@ -4199,7 +4097,7 @@ def test_gpu_experts_odd_sizes(g):
             ref_experts(x.astype(np.float64), w, idx, Deq(ck), True))
 
 
-@moe_needs_gpu
+@needs_gpu
 def test_gpu_batch_invariance(g, real):
     ck, ex, deq = real
     rng = np.random.default_rng(42)
@@ -4215,7 +4113,7 @@ def test_gpu_batch_invariance(g, real):
         assert part.tobytes() == full[lo:hi].tobytes(), f"rows {lo}:{hi}: sub-batch != full batch"
 
 
-@moe_needs_gpu
+@needs_gpu
 def test_gpu_moe_with_router(g, real):
     """gpu(weights=None) routes from h itself: same bytes as router_gpu + gpu."""
     ck, ex, deq = real
@@ -4238,7 +4136,7 @@ def test_gpu_moe_with_router(g, real):
     compare("moe with router T=5", g.download(out1), ref_experts(x.astype(np.float64), w, idx, deq, True))
 
 
-@moe_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("T", [1, 64])
 def test_gpu_timing(g, real, T):
     ck, ex, deq = real
@@ -4304,13 +4202,7 @@ def test_gpu_timing(g, real, T):
 # ====================================================================================================
 # --- pure decode steps as one CUDA-graph replay per batch bucket (model_gpu, graphs=True) against the eager
 # step of a second instance (graphs=False): byte-identical outputs, no allocation, one host sync per step.
-import numpy as np
-import pytest
 
-import gpu
-import model as model_mod
-import span02
-from model import SeqStep
 
 
 @pytest.fixture(scope="module")
@@ -4355,7 +4247,7 @@ def _graph_decode(seqs, toks, step):
     return [SeqStep((int(tok),), len(t) + step, b, readout=k, argmax=True) for (t, b, k), tok in zip(seqs, toks)]
 
 
-@model_needs_gpu
+@needs_gpu
 @pytest.mark.parametrize("batch", [1, 3, 17, 64])
 def test_gpu_graph_decode_matches_eager(graph_pair, batch):
     """After an identical prefill, 8 greedy decode steps through the graphs (padded to the bucket) and through the
@@ -4375,7 +4267,7 @@ def test_gpu_graph_decode_matches_eager(graph_pair, batch):
     print(f"batch {batch}: bucket {bucket}, {on.graph_launches[bucket]} launches per replay, 8 steps byte-identical")
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_graph_decode_allocates_nothing(graph_pair):
     on, _ = graph_pair
     rng = np.random.default_rng(7)
@@ -4387,7 +4279,7 @@ def test_gpu_graph_decode_allocates_nothing(graph_pair):
     assert on.decode_graph_steps == n0 + 20
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
     on, _ = graph_pair
     stats = on.stats
@@ -4413,7 +4305,7 @@ def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
     assert counts == {"sync": 1, "download": 1, "upload": 1}
 
 
-@model_needs_gpu
+@needs_gpu
 def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     """A step with a prefill chunk, full logits, or a batch above the largest bucket runs eagerly, same bytes."""
     on, off = graph_pair
