@@ -278,6 +278,8 @@ def run(ckpt_dir, log=print):
     for _ in range(3):
         m.step([SeqStep(ids, 0, tab, argmax=True)])
     r["prefill_2k"] = round(3 * 2048 / (time.perf_counter() - t0), 0)
+    r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
+    r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
     r.update(decide(m, ckpt_dir))
     for k, v in r.items():
         log(f"{k:>20}: {v}")
