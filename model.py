@@ -200,6 +200,9 @@ def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
         ck = quantize_checkpoint(ck)
     name = model_dir.rstrip("/").split("/")[-1]
     if device == "gpu":
+        if cfg.text.experts and ck.has(f"{ck.text_prefix}layers.0.experts.gate_up_proj"):
+            raise ConfigError("the GPU backend runs MoE experts in NVFP4: this checkpoint's experts are "
+                              "unquantized; load it with --quantize (NVFP4 experts, FP8 dense layers at load)")
         from model_gpu import GpuModel
         return GpuModel(cfg, ck, kv_tokens=kv_tokens, name=name, **gpu_kw)
     return Model(cfg, ck, kv_tokens=kv_tokens, name=name)

@@ -3804,6 +3804,44 @@ def test_gpu_demo_matches_transformers_bf16(demo_pair):
 
 
 @needs_gpu
+def test_gpu_runs_bf16_checkpoint_quantized_at_load(tmp_path):
+    """A checkpoint as transformers saves it (unquantized, fused 3-D experts) runs on the GPU with --quantize,
+    within bf16 error of the reference on the same quantized weights; without --quantize, a clear error."""
+    from config import ConfigError
+    text = Gemma4TextConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                            num_global_key_value_heads=1, sliding_window=16, attention_k_eq_v=True,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                            enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+                            final_logit_softcapping=30.0, hidden_size_per_layer_input=0)
+    hf = Gemma4ForCausalLM(text).eval()
+    _randomize(hf, seed=9)
+    with torch.no_grad():                  # soft attention (see demo.py): q/k norm weights ~0.3
+        for n, p in hf.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.3)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="--quantize"):
+        model_mod.load(str(tmp_path), device="gpu")
+    dev = model_mod.load(str(tmp_path), device="gpu", quantize=True, max_len=512)
+    cpu = model_mod.load(str(tmp_path), device="cpu", quantize=True)
+    ids = np.random.default_rng(4).integers(3, 320, 70)
+    ref = cpu.logits(ids)
+    e = _pos_err(dev.logits(ids), ref)
+    # the yardstick: transformers in bf16 on the same (quantized, dequantized) weights
+    from checkpoint import Checkpoint, quantize_checkpoint
+    hf.load_state_dict(_dequantized_state_dict(quantize_checkpoint(Checkpoint(str(tmp_path))), cpu.cfg), strict=False)
+    hf = hf.to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids, device="cuda")[None]).logits[0].float().cpu().numpy()
+    e_theirs = _pos_err(theirs, ref)
+    print(f"bf16 checkpoint quantized at load, gpu vs numpy: {_err_line(e)}")
+    print(f"                transformers bf16 vs numpy: {_err_line(e_theirs)}")
+    for q in (0.5, 0.9):
+        assert np.quantile(e, q) <= 2 * np.quantile(e_theirs, q) + 5e-3
+
+
+@needs_gpu
 def test_gpu_midsize_real_geometry_matches_reference(tmp_path_factory):
     """Real attention geometry (head dims 256/512, 16/8/2 heads, window 1024, 128 experts top-8, vocab 262144),
     2 layers (one sliding, one full), a prompt longer than the window: readout logits of the last row."""
