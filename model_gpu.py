@@ -200,7 +200,6 @@ class GpuModel(StepTools):
     def _head(self, seqs, offsets, lens):
         """Final norm and tied head on the rows that need logits: the last row of a readout / argmax sequence,
         every row of a `logits` one (those go one sequence at a time through the same buffers)."""
-        g, t = self.g, self.cfg.text
         outs = [SeqOut() for _ in seqs]
         last = [j for j, s in enumerate(seqs) if (s.readout or s.argmax) and not s.logits]
         if last:
