@@ -53,6 +53,24 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 64-wide K unit for one 8-token column tile: four m16n8k16 steps over the unit's fragments a[j] against
+// the tokens' 16 x-words, accumulated into acc in fp32. For 128x128 block scales the unit is summed from zero and
+// then added as fma(unit, scale, acc). Both kernel families call this, which is why their bits are equal.
+template <int FMT>
+__device__ __forceinline__ void mma_unit(float (&acc)[4], const uint32_t (&a)[4][4], const uint32_t (&xw)[8],
+                                         float bscale) {
+    if (FMT == FMT_FP8BLK) {
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma16816(part, a[j], xw[2 * j], xw[2 * j + 1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = __fmaf_rn(part[i], bscale, acc[i]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma16816(acc, a[j], xw[2 * j], xw[2 * j + 1]);
+    }
+}
+
 // Four e4m3 bytes (b0 b1 b2 b3, b0 lowest = lowest K) -> lo = bf16x2(b0, b1), hi = bf16x2(b2, b3), exact.
 __device__ __forceinline__ void e4m3x4_to_bf16x4(uint32_t w, uint32_t &lo, uint32_t &hi) {
     uint32_t p = __byte_perm(w, 0, 0x3120);                  // bytes (b0, b2, b1, b3): pairs (b0,b1) in bytes 0,2
@@ -146,16 +164,7 @@ __device__ __forceinline__ void linear_body(const void *__restrict__ W, const fl
                     x1 = ldg16(X + (size_t)t * K + kk + 8);   // columns 16q+8 .. 16q+15
                 }
                 const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                if (FMT == FMT_FP8BLK) {
-                    float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mma16816(part, a[j], xw[2 * j], xw[2 * j + 1]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[n][i] = __fmaf_rn(part[i], bscale, acc[n][i]);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mma16816(acc[n], a[j], xw[2 * j], xw[2 * j + 1]);
-                }
+                mma_unit<FMT>(acc[n], a, xw, bscale);
             }
         }
     }
@@ -296,16 +305,7 @@ __device__ __forceinline__ void linear_prefill_body(const void *__restrict__ W, 
                 const uint8_t *xr = sx + (16 * wt + 8 * n + g) * P_XSTRIDE + 32 * q;   // token g of tile n
                 const uint4 x0 = *reinterpret_cast<const uint4 *>(xr), x1 = *reinterpret_cast<const uint4 *>(xr + 16);
                 const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                if (FMT == FMT_FP8BLK) {
-                    float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mma16816(part, a[j], xw[2 * j], xw[2 * j + 1]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[s][n][i] = __fmaf_rn(part[i], bscale, acc[s][n][i]);
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mma16816(acc[s][n], a[j], xw[2 * j], xw[2 * j + 1]);
-                }
+                mma_unit<FMT>(acc[s][n], a, xw, bscale);
             }
         }
     }
