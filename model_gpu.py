@@ -20,6 +20,7 @@ real rows, and the replay gives the eager step's bytes. The vision tower still r
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import ml_dtypes
@@ -212,9 +213,8 @@ class GpuModel(StepTools):
                 rows = list(range(int(offsets[j]), int(offsets[j] + lens[j])))
                 chunks = [self._head_rows(rows[a:a + self.max_seqs], s.readout, full=True)
                           for a in range(0, len(rows), self.max_seqs)]
-                full = np.concatenate([c["logits"] for c in chunks])
-                outs[j] = SeqOut(**{**self._out(s, chunks[-1], len(rows) - 1 - (len(chunks) - 1) * self.max_seqs
-                                                ).__dict__, "logits": full})
+                last_row = self._out(s, chunks[-1], (len(rows) - 1) % self.max_seqs)
+                outs[j] = dataclasses.replace(last_row, logits=np.concatenate([c["logits"] for c in chunks]))
         return outs
 
     def _head_rows(self, rows, keys, full=False):
