@@ -217,24 +217,34 @@ class GpuModel(StepTools):
                 outs[j] = dataclasses.replace(last_row, logits=np.concatenate([c["logits"] for c in chunks]))
         return outs
 
+    def _head_launches(self, x, logits, am, keys=None, lse=None, keys_out=None):
+        """Final norm, tied head, soft-cap, argmax and (with keys) the readout over the rows x (R, H): the
+        launches the eager head and the decode graph share."""
+        g, t = self.g, self.cfg.text
+        zn = self._v("zn", x.shape[0], t.hidden)
+        rmsnorm_gpu(g, x, self.final_norm, zn, t.eps)
+        head_gpu(g, zn, self.embed_table, logits)
+        if t.softcap:
+            softcap_gpu(g, logits, t.softcap)
+        argmax_gpu(g, logits, am, self.ws["head_work"])
+        if keys is not None:
+            readout_gpu(g, logits, keys, lse, keys_out, self.ws["head_work"])
+
     def _head_rows(self, rows, keys, full=False):
         g, t = self.g, self.cfg.text
         R = len(rows)
         sel = g.upload(np.asarray(rows, np.int32), out=self._v("sel", R, dtype=np.int32))
-        z, zn = self._v("z", R, t.hidden), self._v("zn", R, t.hidden)
+        z = self._v("z", R, t.hidden)
         embed_gpu(g, self.ws["x"], sel, z, 1.0)                  # gather the rows (x * 1.0 is exact)
-        rmsnorm_gpu(g, z, self.final_norm, zn, t.eps)
         logits = self.g.view(self.ws["logits"], 0, (R, t.vocab), np.float32)
-        head_gpu(g, zn, self.embed_table, logits)
-        if t.softcap:
-            softcap_gpu(g, logits, t.softcap)
         am = self._v("am", R, dtype=np.int32)
-        argmax_gpu(g, logits, am, self.ws["head_work"])
-        res = {"keys": list(keys), "argmax": g.download(am)}
+        kd = lse = ko = None
         if keys:
             kd = g.upload(np.asarray(keys, np.int32), out=self._v("keys", len(keys), dtype=np.int32))
             lse, ko = self._v("lse", R, dtype=np.float32), g.view(self.ws["keys_out"], 0, (R, len(keys)), np.float32)
-            readout_gpu(g, logits, kd, lse, ko, self.ws["head_work"])
+        self._head_launches(z, logits, am, kd, lse, ko)
+        res = {"keys": list(keys), "argmax": g.download(am)}
+        if keys:
             res["lse"], res["keys_out"] = g.download(lse), g.download(ko)
         if full:
             res["logits"] = g.download(logits)
@@ -308,14 +318,8 @@ class GpuModel(StepTools):
             # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
             mk = min(t.window, self.max_blocks * BLOCK) if geo.sliding else self.max_blocks * BLOCK
             self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk)
-        zn = self._v("zn", B, t.hidden)
-        rmsnorm_gpu(g, x, self.final_norm, zn, t.eps)           # the eager head's gather (x * 1.0) is exact
-        logits = g.view(self.ws["logits"], 0, (B, t.vocab), np.float32)
-        head_gpu(g, zn, self.embed_table, logits)
-        if t.softcap:
-            softcap_gpu(g, logits, t.softcap)
-        argmax_gpu(g, logits, d["am"], self.ws["head_work"])
-        readout_gpu(g, logits, d["keys"], d["lse"], d["keys_out"], self.ws["head_work"])
+        logits = g.view(self.ws["logits"], 0, (B, t.vocab), np.float32)  # all B rows: the eager gather is exact
+        self._head_launches(x, logits, d["am"], d["keys"], d["lse"], d["keys_out"])
 
     def capture_decode_graphs(self):
         """Capture one decode graph per bucket B <= min(max_seqs, max_rows) (after weights, pools and workspace):
