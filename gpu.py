@@ -121,6 +121,11 @@ class Event:
     def __init__(self, handle):
         self.handle = handle
 
+    def close(self):
+        if self.handle is not None:
+            check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
 
 def _arg(a):
     """One kernel argument as (value, ctypes type) for cuLaunchKernel's (values, types) form."""
@@ -159,6 +164,7 @@ class GPU:
         self._modules = {}                 # name -> Module (cache)
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
+        self.launch_hook = None            # called after each launch (profiling), see launch()
 
     check = staticmethod(check)
 
@@ -249,9 +255,11 @@ class GPU:
             self._modules[name] = Module(handle, name)
         return self._modules[name]
 
-    def launch(self, f, grid, block, args, shared=0):
+    def launch(self, f, grid, block, args, shared=0, nbytes=None):
         """Launch kernel `f` on the stream. args: DeviceArray/ptr/None -> pointer, int -> int32,
-        i64 -> int64, float -> float32. shared: dynamic shared memory bytes (opted in above 48 KiB)."""
+        i64 -> int64, float -> float32. shared: dynamic shared memory bytes (opted in above 48 KiB).
+        nbytes: the bytes the kernel must move (weights, KV), for profiles; `launch_hook(name, grid, block,
+        nbytes)`, when set, is called after each launch (model_gpu.profile_decode records an event there)."""
         if shared > f.max_shared:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(f.handle, attr, shared), f"cuFuncSetAttribute {f.name} shared={shared}")
@@ -263,6 +271,8 @@ class GPU:
               f"cuLaunchKernel {f.name} grid={grid} block={block} shared={shared}")
         if self._capture_launches is not None:
             self._capture_launches += 1
+        if self.launch_hook is not None:
+            self.launch_hook(f.name, grid, block, nbytes)
 
     # --- graphs and events -----------------------------------------------------------------------------
     def capture_begin(self, global_mode=False):
@@ -286,8 +296,14 @@ class GPU:
     def event(self):
         return Event(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate"))
 
-    def record(self, ev):
-        check(cu.cuEventRecord(ev.handle, self.stream), "cuEventRecord")
+    def record(self, ev, external=False):
+        """Record ev on the stream. external: while capturing, as an event-record node of the graph (the event is
+        then recorded at each replay, for timing); a plain record during capture only orders captured work."""
+        if external:
+            flag = cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
+            check(cu.cuEventRecordWithFlags(ev.handle, self.stream, flag), "cuEventRecordWithFlags")
+        else:
+            check(cu.cuEventRecord(ev.handle, self.stream), "cuEventRecord")
 
     def elapsed_ms(self, ev0, ev1):
         """Milliseconds between two recorded events (waits for the second)."""

@@ -33,7 +33,7 @@ from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, so
 from layers.linear import head_gpu, linear_gpu, upload_linear
 from layers.mlp import gelu_mul_gpu
 from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
-from layers.norm import rmsnorm_gpu
+from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from model import SeqOut, StepTools
 
@@ -100,7 +100,7 @@ class GpuModel(StepTools):
         Dkv = max(geo.kv_heads * geo.head_dim for geo in t.layers)
         H, I = t.hidden, t.intermediate
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
-            ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("m1", H), ("e_in", H), ("e", H), ("s", H),
+            ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H),
             ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("gate", I), ("up", I),
             ("act", I))}
         self.ws.update(ids=g.empty((R,), np.int32), pos=g.empty((R,), np.int32), rows_seq=g.empty((R,), np.int32),
@@ -158,15 +158,21 @@ class GpuModel(StepTools):
                 r = int(o + im.start - s.start)
                 g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
                          out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
+        self._first_norm(T)
         for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
             self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
         return self._head(seqs, offsets, lens)
 
+    def _first_norm(self, T):
+        """xn = layer 0's input_layernorm(x); every later layer's comes fused at the end of the one before."""
+        t = self.cfg.text
+        rmsnorm_gpu(self.g, self._v("x", T, t.hidden), self.layers[0]["input_layernorm"], self._v("xn", T, t.hidden),
+                    t.eps)
+
     def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None):
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
-        x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
-        rmsnorm_gpu(g, x, w["input_layernorm"], xn, eps)
+        x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)   # xn = input_layernorm(x) here
         q_in, k_in = self._v("q_in", T, Hq * D), self._v("k_in", T, Hkv * D)
         linear_gpu(g, xn, w["self_attn.q_proj"], q_in)
         linear_gpu(g, xn, w["self_attn.k_proj"], k_in)
@@ -181,22 +187,22 @@ class GpuModel(StepTools):
                       spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
                       max_keys=max_keys, work=self.ws["attn_work"])
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
-        rmsnorm_gpu(g, a, w["post_attention_layernorm"], h, eps, add=x)                 # h = x + norm(a)
-        rmsnorm_gpu(g, h, w["pre_feedforward_layernorm"], xn, eps)
+        e_in, e = self._v("e_in", T, H), self._v("e", T, H)
+        post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
+                            w["pre_feedforward_layernorm_2"], h, xn, e_in, eps)   # h = x + norm(a); xn, e_in
         gate, up, act = self._v("gate", T, I), self._v("up", T, I), self._v("act", T, I)
         linear_gpu(g, xn, w["mlp.gate_proj"], gate)
         linear_gpu(g, xn, w["mlp.up_proj"], up)
         gelu_mul_gpu(g, gate, up, act)
         m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
-        m1, e_in, e, s = self._v("m1", T, H), self._v("e_in", T, H), self._v("e", T, H), self._v("s", T, H)
-        rmsnorm_gpu(g, m, w["post_feedforward_layernorm_1"], m1, eps)
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps)
-        rmsnorm_gpu(g, h, w["pre_feedforward_layernorm_2"], e_in, eps)
         moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws)
-        rmsnorm_gpu(g, e, w["post_feedforward_layernorm_2"], s, eps, add=m1)            # s = m1 + norm(e)
-        rmsnorm_gpu(g, s, w["post_feedforward_layernorm"], x, eps, add=h, scale=w["layer_scalar"])
+        # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
+        nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None
+        post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
+                           w["post_feedforward_layernorm"], w["layer_scalar"], x, eps, w_next=nxt, xn=xn)
 
     def _head(self, seqs, offsets, lens):
         """Final norm and tied head on the rows that need logits: the last row of a readout / argmax sequence,
@@ -313,6 +319,7 @@ class GpuModel(StepTools):
         g, t = self.g, self.cfg.text
         x = self._v("x", B, t.hidden)
         embed_gpu(g, self.embed_table, d["ids"], x, self.embed_scale)
+        self._first_norm(B)
         for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
             # spans None: decode rows carry no image block (the eager step passes all-unused spans: same key
             # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
@@ -366,6 +373,52 @@ class GpuModel(StepTools):
         res = {"keys": keys, "argmax": out[:B].view(np.int32), "lse": out[B:2 * B],
                "keys_out": out[2 * B:].reshape(B, K)}
         return [self._out(s, res, j) if (s.readout or s.argmax) else SeqOut() for j, s in enumerate(seqs)]
+
+    def profile_decode(self, B, context=1024, reps=3):
+        """Per-kernel device times of bucket B's decode step with every sequence at `context` positions: the decode
+        body captured once more with an event recorded after every launch, replayed `reps` times (the last one
+        counts). Returns [{"kernel", "us", "bytes"}] in launch order (bytes: what the launcher declared it must
+        move, or None). For bench.py: it WRITES the KV of position `context` in blocks 0 .. B * ceil((context + 1) / 16)
+- 1 (the pools otherwise hold whatever they hold: timing only), so run it on an idle model; needs
+        B * ceil((context + 1) / 16) <= num_blocks. The events add ~1 us per kernel to the sum."""
+        from model import SeqStep
+        g, d = self.g, self._dec[B]
+        g.bind()
+        nb = -(-(context + 1) // BLOCK)
+        if B * nb > self.num_blocks or nb > self.max_blocks:
+            raise ValueError(f"profile_decode: {B} sequences of {context} positions do not fit the KV pool")
+        rng = np.random.default_rng(0)
+        seqs = [SeqStep((int(rng.integers(3, self.cfg.text.vocab)),), context, tuple(range(j * nb, (j + 1) * nb)),
+                        argmax=True) for j in range(B)]
+        self._decode_inputs(d, seqs, [])
+        marks = []                                   # (event, kernel, bytes) after each launch
+
+        def hook(name, grid, block, nbytes):
+            ev = g.event()
+            g.record(ev, external=True)
+            marks.append((ev, name, nbytes))
+        start = g.event()
+        g.capture_begin()
+        try:
+            g.record(start, external=True)
+            g.launch_hook = hook
+            self._decode_body(B, d)
+        finally:
+            g.launch_hook = None
+            graph = g.capture_end()
+        try:
+            for _ in range(reps):
+                graph.replay()
+            g.sync()
+            out, prev = [], start
+            for ev, name, nbytes in marks:
+                out.append({"kernel": name, "us": g.elapsed_ms(prev, ev) * 1e3, "bytes": nbytes})
+                prev = ev
+        finally:
+            graph.close()
+            for ev in [start] + [m[0] for m in marks]:
+                ev.close()
+        return out
 
     def close(self):
         """Destroy the decode graphs and free every device buffer (the GPU object is closed)."""

@@ -63,7 +63,7 @@ from layers import attention as A, moe, vision_tower
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import head_gpu, linear_gpu, upload_linear
 from layers.mlp import gelu_tanh
-from layers.norm import rmsnorm, rmsnorm_gpu
+from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu
 from model import SeqStep
 from policy import Question, Request, check_cost_table, r9
 from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
@@ -2895,6 +2895,41 @@ def test_gpu_rmsnorm_batch_invariance(g, shape):
             assert alone.tobytes() == batch[r:r + 1].tobytes(), (T, r)
 
 
+@needs_gpu
+@pytest.mark.parametrize("T,n", [(1, RT_H), (5, RT_H), (64, RT_H), (3, 64), (2, 72), (3, 100), (2, 9000)])
+def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
+    """post_attn_norms_gpu / post_ffn_norms_gpu (one launch each; n % 8 != 0 or n > 8192 take the separate
+    launches inside) give the bytes of the rmsnorm_gpu chains they replace, on fresh random rows."""
+    g, rng = g, np.random.default_rng(zlib.crc32(repr((T, n)).encode()))
+    up = lambda a: g.upload(_rt_bf16(a))                                       # noqa: E731
+    a, x, m, e = (up(rng.normal(0, sd, (T, n))) for sd in (3.0, 1.5, 0.7, 2.0))
+    w = [up(rng.normal(1, 0.4, n)) for _ in range(4)]
+    outs = [_rt_out(g, (T, n), RT_BF16) for _ in range(6)]
+    # after attention: fused vs rmsnorm(a, add=x) -> h, rmsnorm(h) -> xn, rmsnorm(h) -> e_in
+    post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], *outs[:3], RT_EPS)
+    h, xn, e_in = outs[3:]
+    rmsnorm_gpu(g, a, w[0], h, RT_EPS, add=x)
+    rmsnorm_gpu(g, h, w[1], xn, RT_EPS)
+    rmsnorm_gpu(g, h, w[2], e_in, RT_EPS)
+    for f, s in zip(outs[:3], outs[3:]):
+        got = g.download(f)
+        assert np.isfinite(got.astype(np.float32)).all() and got.tobytes() == g.download(s).tobytes()
+    # after the MLP and experts: fused (with and without the next layer's input norm) vs the chain
+    for nxt in (None, w[3]):
+        fx, fxn, sx, m1, sxn = (_rt_out(g, (T, n), RT_BF16) for _ in range(5))
+        post_ffn_norms_gpu(g, m, e, h, w[0], w[1], w[2], -0.37, fx, RT_EPS, w_next=nxt, xn=fxn)
+        rmsnorm_gpu(g, m, w[0], m1, RT_EPS)
+        rmsnorm_gpu(g, e, w[1], m1, RT_EPS, add=m1)
+        rmsnorm_gpu(g, m1, w[2], sx, RT_EPS, add=h, scale=-0.37)
+        got = g.download(fx)
+        assert np.isfinite(got.astype(np.float32)).all() and got.tobytes() == g.download(sx).tobytes()
+        if nxt is not None:
+            rmsnorm_gpu(g, sx, nxt, sxn, RT_EPS)
+            assert g.download(fxn).tobytes() == g.download(sxn).tobytes()
+        else:
+            assert np.isnan(g.download(fxn).astype(np.float32)).all()          # untouched without w_next
+
+
 # --- head: soft-cap, argmax, readout --------------------------------------------------------------------
 @needs_gpu
 @pytest.mark.parametrize("T,V", [(3, RT_V), (1, 1001)])
@@ -4369,3 +4404,18 @@ if __name__ == "__main__":
             json.dump(golden_responses(), f, indent=1, ensure_ascii=False)
             f.write("\n")
         print(f"wrote {GOLDEN}")
+
+
+@needs_gpu
+def test_gpu_profile_decode_times_every_launch_of_the_step(graph_pair):
+    """profile_decode: one record per kernel of the bucket's graph, in launch order, each with a positive time;
+    the decode graphs still replay the same bytes afterwards (the profile graph is separate and freed)."""
+    on, off = graph_pair
+    prof = on.profile_decode(4, context=40)          # writes KV at blocks 0..11: before the prefill below
+    seqs, first = _graph_prefill([on, off], 3, np.random.default_rng(31))
+    assert len(prof) == on.graph_launches[4]
+    assert all(p["us"] > 0 for p in prof) and prof[0]["kernel"] == "elementwise.embed_bf16"
+    total = sum(p["us"] for p in prof)
+    print(f"demo decode B=4 at 40 positions: {len(prof)} kernels, {total:.1f} us with the events")
+    steps = [SeqStep((t,), len(tok), bl, readout=keys, argmax=True) for (tok, bl, keys), t in zip(seqs, first)]
+    assert [_graph_out_bytes(o) for o in on.step(steps)] == [_graph_out_bytes(o) for o in off.step(steps)]

@@ -88,6 +88,21 @@ extern "C" __global__ void embed_bf16(bf16* __restrict__ out, const bf16* __rest
 // Thread x of a row owns the VEC-vectors x, x+TPR, x+2*TPR, ... of the row; it sums their squares in that
 // order, the row's warps combine by xor-butterfly, then every thread adds the warp sums in warp order.
 // ------------------------------------------------------------------------------------------------------
+// The row's total from each thread's partial s: xor-butterfly per warp (every lane gets the warp sum), then
+// every thread adds the row's warp sums in warp order. sums: this row's `warps` shared slots. Every thread of
+// the block must call it (it may __syncthreads); the caller does not reuse `sums` before a later barrier.
+__device__ __forceinline__ float row_sum(float s, float* sums, int warps, int lane) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+    if (warps > 1) {
+        if (lane == 0) sums[threadIdx.x >> 5] = s;
+        __syncthreads();
+        s = 0.f;
+        for (int k = 0; k < warps; k++) s += sums[k];
+    }
+    return s;
+}
+
 template <int VEC, bool ADD, bool SCALE>
 __device__ void rmsnorm_rows(bf16* out, const bf16* x, const bf16* w, const bf16* res, int rows, int n, int heads,
                              long long ld_x, long long ld_out, float eps, float scale) {
@@ -108,14 +123,7 @@ __device__ void rmsnorm_rows(bf16* out, const bf16* x, const bf16* w, const bf16
 #pragma unroll
             for (int j = 0; j < VEC; j++) s = fmaf(f[j], f[j], s);
         }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);   // every lane: the warp sum
-    if (warps > 1) {
-        if (lane == 0) warp_sums[threadIdx.y * warps + (threadIdx.x >> 5)] = s;
-        __syncthreads();
-        s = 0.f;
-        for (int k = 0; k < warps; k++) s += warp_sums[threadIdx.y * warps + k];
-    }
+    s = row_sum(s, warp_sums + threadIdx.y * warps, warps, lane);
     if (!active) return;
     const float inv = 1.0f / sqrtf(s / (float)n + eps);    // IEEE div and sqrt (no fast-math)
 
@@ -154,6 +162,108 @@ extern "C" __global__ void rmsnorm_add_scale_bf16(bf16* out, const bf16* x, cons
                                                   long long ld_out, float eps, float scale, int vec) {
     if (vec == 8) rmsnorm_rows<8, true, true>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, scale);
     else rmsnorm_rows<1, true, true>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, scale);
+}
+
+// ------------------------------------------------------------------------------------------------------
+// The decoder layer's chains of norms, one launch each (decode is launch-bound: performance.md). Each gives
+// the bytes of the separate rmsnorm launches it replaces (same thread layout: TPR threads per row chosen from
+// n alone, here with exactly one 8-vector per thread, TPR * 8 >= n; the same per-thread sums, row_sum, inv
+// and roundings), so a row's bytes do not depend on which path ran. One row per block, grid (T).
+//
+// post_attn_norms_bf16 (after o_proj; a = o_proj output, x = residual):
+//   h    = bf16(x + bf16(norm(a) * w_pa))        rmsnorm_add(a, post_attention_layernorm, add=x)
+//   xn   = bf16(norm(h) * w_pf)                   rmsnorm(h, pre_feedforward_layernorm)
+//   e_in = bf16(norm(h) * w_pf2)                  rmsnorm(h, pre_feedforward_layernorm_2)
+// post_ffn_norms_bf16 (after the dense MLP (m) and the experts (e); h = the attention residual):
+//   m1 = bf16(norm(m) * w1)                       rmsnorm(m, post_feedforward_layernorm_1)
+//   s  = bf16(m1 + bf16(norm(e) * w2))            rmsnorm_add(e, post_feedforward_layernorm_2, add=m1)
+//   x  = bf16(bf16(h + bf16(norm(s) * w3)) * c)   rmsnorm_add_scale(s, post_feedforward_layernorm, h, c)
+//   xn = bf16(norm(x) * w4)  when w4 != null      the next layer's input_layernorm
+// ------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float sumsq8(const float* f) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) s = fmaf(f[j], f[j], s);
+    return s;
+}
+
+// y = bf16(f * inv * w) for the 8 values (the rmsnorm_rows product order), kept as the stored bf16 values
+__device__ __forceinline__ void norm8(const float* f, float inv, const bf16* w, float* y) {
+    float wf[8];
+    load_bf16<8>(w, wf);
+#pragma unroll
+    for (int j = 0; j < 8; j++) y[j] = round_bf16(f[j] * inv * wf[j]);
+}
+
+__device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
+
+extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __restrict__ xn,
+                                                bf16* __restrict__ e_in, const bf16* __restrict__ a,
+                                                const bf16* __restrict__ x, const bf16* __restrict__ w_pa,
+                                                const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
+                                                int n, float eps) {
+    __shared__ float sums0[32], sums1[32];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
+    const bool own = c < n;
+    const size_t row = (size_t)blockIdx.x * n;
+    float f[8], hv[8], y[8];
+    if (own) load_bf16<8>(a + row + c, f);
+    const float inv_a = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums0, warps, lane), n, eps);
+    if (own) {
+        float r[8];
+        norm8(f, inv_a, w_pa + c, y);
+        load_bf16<8>(x + row + c, r);
+#pragma unroll
+        for (int j = 0; j < 8; j++) hv[j] = round_bf16(r[j] + y[j]);
+        store_bf16<8>(h + row + c, hv);
+    }
+    const float inv_h = inv_rms(row_sum(own ? sumsq8(hv) : 0.f, sums1, warps, lane), n, eps);
+    if (own) {
+        norm8(hv, inv_h, w_pf + c, y);
+        store_bf16<8>(xn + row + c, y);
+        norm8(hv, inv_h, w_pf2 + c, y);
+        store_bf16<8>(e_in + row + c, y);
+    }
+}
+
+extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
+                                               const bf16* __restrict__ m, const bf16* __restrict__ e,
+                                               const bf16* __restrict__ h, const bf16* __restrict__ w1,
+                                               const bf16* __restrict__ w2, const bf16* __restrict__ w3,
+                                               const bf16* __restrict__ w4, int n, float eps, float scale) {
+    __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
+    const bool own = c < n;
+    const size_t row = (size_t)blockIdx.x * n;
+    float fm[8], fe[8], sv[8], xv[8], y[8];
+    if (own) {
+        load_bf16<8>(m + row + c, fm);
+        load_bf16<8>(e + row + c, fe);
+    }
+    const float inv_m = inv_rms(row_sum(own ? sumsq8(fm) : 0.f, sums0, warps, lane), n, eps);
+    const float inv_e = inv_rms(row_sum(own ? sumsq8(fe) : 0.f, sums1, warps, lane), n, eps);
+    if (own) {
+        float m1[8];
+        norm8(fm, inv_m, w1 + c, m1);
+        norm8(fe, inv_e, w2 + c, y);
+#pragma unroll
+        for (int j = 0; j < 8; j++) sv[j] = round_bf16(m1[j] + y[j]);
+    }
+    const float inv_s = inv_rms(row_sum(own ? sumsq8(sv) : 0.f, sums2, warps, lane), n, eps);
+    if (own) {
+        float r[8];
+        norm8(sv, inv_s, w3 + c, y);
+        load_bf16<8>(h + row + c, r);
+#pragma unroll
+        for (int j = 0; j < 8; j++) xv[j] = round_bf16(round_bf16(r[j] + y[j]) * scale);
+        store_bf16<8>(x + row + c, xv);
+    }
+    if (w4 == nullptr) return;                       // uniform over the block: no barrier is skipped by some
+    const float inv_x = inv_rms(row_sum(own ? sumsq8(xv) : 0.f, sums3, warps, lane), n, eps);
+    if (own) {
+        norm8(xv, inv_x, w4 + c, y);
+        store_bf16<8>(xn + row + c, y);
+    }
 }
 
 // ------------------------------------------------------------------------------------------------------

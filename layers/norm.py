@@ -41,3 +41,52 @@ def rmsnorm_gpu(g, x, w, out, eps, add=None, scale=None, ld_x=None, ld_out=None)
     args = [out, x, w] + ([] if add is None else [add]) + [rows, n, heads, gpu.i64(ld_x), gpu.i64(ld_out),
                                                            float(eps)] + ([] if scale is None else [float(scale)])
     g.launch(f, grid=(-(-rows // rpb), 1, 1), block=(tpr, rpb, 1), args=args + [vec])
+
+
+def _fused_tpr(x):
+    """Threads per row of the fused norm chains: rmsnorm_gpu's layout for n (one 8-vector per thread), or None
+    when that layout has several vectors per thread or the rows are not 16-byte aligned (then the chain runs as
+    separate rmsnorm_gpu launches, the same bytes)."""
+    T, n = x.shape
+    tpr = -(-(n // 8) // 32) * 32
+    if n % 8 or tpr > 1024 or x.ptr % 16:
+        return None
+    return tpr
+
+
+def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps):
+    """After o_proj, in one launch: h = x + norm(a) * w_pa; xn = norm(h) * w_pf; e_in = norm(h) * w_pf2
+    (all (T, n) bf16): the bytes of rmsnorm_gpu(a, w_pa, h, add=x), rmsnorm_gpu(h, w_pf, xn),
+    rmsnorm_gpu(h, w_pf2, e_in)."""
+    T, n = a.shape
+    for v in (x, h, xn, e_in):
+        assert v.dtype == BF16 and v.shape == (T, n), v
+    tpr = _fused_tpr(a)
+    if tpr is None or any(v.ptr % 16 for v in (x, h, xn, e_in, w_pa, w_pf, w_pf2)):
+        rmsnorm_gpu(g, a, w_pa, h, eps, add=x)
+        rmsnorm_gpu(g, h, w_pf, xn, eps)
+        rmsnorm_gpu(g, h, w_pf2, e_in, eps)
+        return
+    g.launch(g.module("elementwise").function("post_attn_norms_bf16"), grid=(T,), block=(tpr,),
+             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps)])
+
+
+def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None):
+    """After the dense MLP (m) and the experts (e), in one launch: m1 = norm(m) * w1; s = m1 + norm(e) * w2;
+    x = (h + norm(s) * w3) * scale; with w_next: xn = norm(x) * w_next (the next layer's input norm). The bytes
+    of the rmsnorm_gpu chain it replaces; m1 and s stay in registers. x must not alias m, e or h."""
+    T, n = m.shape
+    for v in (e, h, x) + ((xn,) if w_next is not None else ()):
+        assert v.dtype == BF16 and v.shape == (T, n), v
+    tpr = _fused_tpr(m)
+    ws = (w1, w2, w3) + ((w_next,) if w_next is not None else ())
+    if tpr is None or any(v.ptr % 16 for v in (e, h, x) + ws) or (xn is not None and xn.ptr % 16):
+        rmsnorm_gpu(g, m, w1, x, eps)                       # x holds m1, then s (out may alias add / x)
+        rmsnorm_gpu(g, e, w2, x, eps, add=x)
+        rmsnorm_gpu(g, x, w3, x, eps, add=h, scale=scale)
+        if w_next is not None:
+            rmsnorm_gpu(g, x, w_next, xn, eps)
+        return
+    g.launch(g.module("elementwise").function("post_ffn_norms_bf16"), grid=(T,), block=(tpr,),
+             args=[x, xn if w_next is not None else None, m, e, h, w1, w2, w3, w_next, n, float(eps),
+                   float(scale)])
