@@ -1,12 +1,28 @@
-"""The GPU benchmark (performance.md).
+"""The GPU benchmark (performance.md): every figure in one run, the last line one JSON object.
 
-    python bench.py write DIR [--layers N]     a random span-02 checkpoint with the real 26B-A4B geometry
-    python bench.py run [DIR]                  write it (if DIR has none), load it on the GPU, time the engine
-                                               steps; the last line is one JSON object
+    python bench.py write DIR [--layers N]       a random span-02 checkpoint with the real 26B-A4B geometry
+    python bench.py run [DIR] [--peer] [--requests N] [--cap N] [--skip-model] [--skip-server] ...
+                                                 write it (if DIR has none), then measure, part by part:
 
-So far `run` times the model's step directly (decode as CUDA-graph replays, prefill eager): decode at batch 1 / 16 / 64
-with ~1k context, a 2k-token prefill, the load, the weights' GPU memory, and bytes per decode step against
-the measured copy bandwidth. The server-level figures (readout_ms, decisions_s) and `--peer` are to come.
+1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
+   eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k, weights_gib, load_model_s (model
+   construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, one decision
+   through the engine without HTTP (readout_ms_engine, decision_wall_ms), and, when the backend has
+   `profile_decode(B)`, the per-kernel tables kernels_b1 / kernels_b64 (+ kernel_sum_ms_b*). The model is closed
+   before the next part.
+2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
+   first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
+   server's clock) with readout_stage_ms and readout_wall_ms beside it, and the standard workload (--requests N of
+   4 questions, tau 0.8, cap --cap, default serving mode): decisions_s, decisions_p50_ms, decisions_p99_ms and
+   what was run (decisions_requests, decisions_questions, decisions_errors, decisions_stops, ...).
+3. --peer (bench_peer.py, a subprocess: torch and transformers never enter this process): the step figures through
+   transformers bf16 (sdpa, grouped_mm) as peer_*, and ratio_* = ours / peer for each figure both have.
+
+A part that fails is recorded under "errors" (the others still run, exit status 1); "part_s" has each part's
+seconds. At full size on the H200 (2026-11-30 speeds: decode_b64 ~1,440 tok/s, prefill ~2,400 tok/s) expect:
+checkpoint write ~45 s (first run only), model ~1.5 min (the b64 prefill of 64 x 1k tokens dominates), server
+~2.5 min at --requests 128 (two server starts ~15 s each, the workload ~2 min: 512 questions x 256 thought
+tokens), peer ~1 min.
 
 The checkpoint is in the span-02 format (checkpoint.md): per-expert NVFP4 experts (compressed-tensors),
 per-channel FP8 attention and dense MLP, bf16 embeddings, norms, router and vision tower, sharded one
@@ -247,61 +263,223 @@ def decide(m, ckpt_dir, stem_tokens=512):
             "decision_prompt_tokens": res["usage"]["prompt_tokens"]}
 
 
-def run(ckpt_dir, log=print):
+def model_figures(ckpt_dir, profile=True, log=print):
+    """The step-level figures, in this process, with the model loaded on the GPU (closed before returning, so the
+    server and the peer that follow have the GPU to themselves)."""
     import model as model_mod
     from config import load_model_config
-    if not os.path.exists(os.path.join(ckpt_dir, "config.json")):
-        t0 = time.time()
-        write_random_checkpoint(ckpt_dir, vision=False, log=lambda *a: None)
-        log(f"checkpoint written in {time.time() - t0:.1f} s")
+    from model import SeqStep
     cfg = load_model_config(ckpt_dir)
     t0 = time.time()
     m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=64 * 1152, max_len=2304, max_rows=2048, max_seqs=64)
     load_s = time.time() - t0
-    g = m.g
-    bw = copy_bandwidth(g)
-    rng = np.random.default_rng(0)
-    r = {"weights_gib": round(m.weight_bytes / 2 ** 30, 3), "load_model_s": round(load_s, 1),
-         "copy_gbs": round(bw, 0)}
-    for b in (1, 16, 64):
-        dt = time_steps(m, b, 1024, 12, rng)
-        r[f"decode_b{b}"] = round(b / dt, 1)
-        r[f"step_ms_b{b}"] = round(dt * 1e3, 3)
-    nbytes = decode_bytes(cfg, 1024)
-    r["bytes_per_step_b1"] = nbytes
-    r["mbu_b1"] = round(nbytes / (r["step_ms_b1"] / 1e3) / (bw * 1e9), 4)
-    from model import SeqStep
-    ids = tuple(int(x) for x in rng.integers(3, cfg.text.vocab, 2048))
-    tab = tuple(range(128))                                 # the decode sequences are done: reuse blocks
-    m.step([SeqStep(ids, 0, tab, argmax=True)])
-    t0 = time.perf_counter()
-    for _ in range(3):
+    try:
+        g = m.g
+        bw = copy_bandwidth(g)
+        rng = np.random.default_rng(0)
+        r = {"weights_gib": round(m.weight_bytes / 2 ** 30, 3), "load_model_s": round(load_s, 1),
+             "copy_gbs": round(bw, 0)}
+        for b in (1, 16, 64):
+            dt = time_steps(m, b, 1024, 12, rng)
+            r[f"decode_b{b}"] = round(b / dt, 1)
+            r[f"step_ms_b{b}"] = round(dt * 1e3, 3)
+            log(f"decode b{b}: {b / dt:.1f} tok/s ({dt * 1e3:.2f} ms/step)")
+        nbytes = decode_bytes(cfg, 1024)
+        r["bytes_per_step_b1"] = nbytes
+        r["mbu_b1"] = round(nbytes / (r["step_ms_b1"] / 1e3) / (bw * 1e9), 4)
+        ids = tuple(int(x) for x in rng.integers(3, cfg.text.vocab, 2048))
+        tab = tuple(range(128))                             # the decode sequences are done: reuse blocks
         m.step([SeqStep(ids, 0, tab, argmax=True)])
-    r["prefill_2k"] = round(3 * 2048 / (time.perf_counter() - t0), 0)
-    r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
-    r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
-    r.update(decide(m, ckpt_dir))
+        t0 = time.perf_counter()
+        for _ in range(3):
+            m.step([SeqStep(ids, 0, tab, argmax=True)])
+        r["prefill_2k"] = round(3 * 2048 / (time.perf_counter() - t0), 0)
+        log(f"prefill 2k: {r['prefill_2k']:.0f} tok/s")
+        r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
+        r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
+        r.update(decide(m, ckpt_dir))
+        if profile:
+            r.update(kernel_figures(m, log=log))
+    finally:
+        m.close()
+    return r
+
+
+# --- per-kernel table (model_gpu.profile_decode, when the backend has it) ------------------------------------
+
+def kernel_table(rows):
+    """Aggregate profile_decode rows [{kernel, us, bytes}] by kernel name: [{kernel, count, us, share, gbs}],
+    largest total first; share = of the sum of all kernels; gbs = bytes / time where every launch declared its
+    bytes, else None."""
+    total = sum(float(x["us"]) for x in rows) or 1.0
+    agg = {}
+    for x in rows:
+        a = agg.setdefault(x["kernel"], {"kernel": x["kernel"], "count": 0, "us": 0.0, "bytes": 0})
+        a["count"] += 1
+        a["us"] += float(x["us"])
+        a["bytes"] = None if a["bytes"] is None or x.get("bytes") is None else a["bytes"] + int(x["bytes"])
+    out = []
+    for a in sorted(agg.values(), key=lambda a: -a["us"]):
+        gbs = a["bytes"] / a["us"] / 1e3 if a["bytes"] and a["us"] > 0 else None
+        out.append({"kernel": a["kernel"], "count": a["count"], "us": round(a["us"], 2),
+                    "share": round(a["us"] / total, 4), "gbs": None if gbs is None else round(gbs, 1),
+                    "bytes": a["bytes"]})
+    return out
+
+
+def format_kernel_table(table, title):
+    lines = [title, f"{'kernel':<36} {'count':>6} {'total us':>10} {'share':>7} {'GB/s':>8}"]
+    for a in table:
+        gbs = "-" if a["gbs"] is None else f"{a['gbs']:.0f}"
+        lines.append(f"{a['kernel'][:36]:<36} {a['count']:>6} {a['us']:>10.1f} {100 * a['share']:>6.1f}% {gbs:>8}")
+    lines.append(f"{'sum':<36} {sum(a['count'] for a in table):>6} {sum(a['us'] for a in table):>10.1f}")
+    return "\n".join(lines)
+
+
+def kernel_figures(m, batches=(1, 64), log=print):
+    """kernels_b{B} (kernel_table) and kernel_sum_ms_b{B} for each B, if the model has `profile_decode(B)`;
+    an error there is reported in the result (kernels_error), never fatal."""
+    if not hasattr(m, "profile_decode"):
+        return {}
+    r = {}
+    for b in batches:
+        try:
+            table = kernel_table(m.profile_decode(b))
+        except Exception as e:                          # noqa: BLE001 - a diagnostic, not a figure
+            r["kernels_error"] = f"profile_decode({b}): {type(e).__name__}: {e}"
+            log(r["kernels_error"])
+            continue
+        r[f"kernels_b{b}"] = table
+        r[f"kernel_sum_ms_b{b}"] = round(sum(a["us"] for a in table) / 1e3, 3)
+        log(format_kernel_table(table, f"kernels of one decode step at batch {b} (profile_decode):"))
+    return r
+
+
+# --- the peer (subprocess) and the comparison ------------------------------------------------------------------
+
+PEER_FIGURES = ("decode_b1", "decode_b16", "decode_b64", "prefill_2k", "weights_gib")
+
+
+def peer_figures(ckpt_dir, args=(), timeout=480.0, log=print):
+    """Run bench_peer.py on `ckpt_dir` in a subprocess (torch and transformers stay out of this process; the
+    peer's GPU memory is gone when it exits): its JSON (last stdout line) with every key prefixed `peer_`."""
+    import subprocess
+    from bench_server import _die_with_parent
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, os.path.join(here, "bench_peer.py"), ckpt_dir, *args]
+    log(f"peer: {' '.join(cmd)}")
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout, cwd=here,
+                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the peer did not finish within {timeout:.0f} s") from None
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"the peer exited with {p.returncode}; stdout tail: {p.stdout[-1000:]!r}")
+    return {f"peer_{k}": v for k, v in json.loads(lines[-1]).items()}
+
+
+def compare(r):
+    """ratio_{figure} = ours / peer for every figure both columns have (tok/s: higher is better for us;
+    weights_gib: lower is better). Returns (ratios, printable table)."""
+    ratios, lines = {}, [f"{'figure':<14} {'ours':>12} {'peer':>12} {'ours/peer':>10}"]
+    for k in PEER_FIGURES:
+        ours, peer = r.get(k), r.get(f"peer_{k}")
+        ratio = round(ours / peer, 3) if isinstance(ours, (int, float)) and isinstance(peer, (int, float)) and peer \
+            else None
+        if ratio is not None:
+            ratios[f"ratio_{k}"] = ratio
+        lines.append(f"{k:<14} {'-' if ours is None else ours:>12} {'-' if peer is None else peer:>12} "
+                     f"{'-' if ratio is None else ratio:>10}")
+    return ratios, "\n".join(lines)
+
+
+# --- everything ---------------------------------------------------------------------------------------------
+
+def run(ckpt_dir, peer=False, model=True, server=True, profile=True, device="gpu", requests=128, cap=256,
+        readout_repeats=5, server_kv_tokens=65536, peer_args=(), peer_timeout=480.0, log=print):
+    """Every figure of performance.md, part by part: the model's steps in this process (then closed), the
+    server figures through HTTP (bench_server), the peer (bench_peer, subprocess). A part that fails is recorded
+    under "errors" and the others still run; the last line printed is one JSON object with everything."""
+    if not os.path.exists(os.path.join(ckpt_dir, "config.json")):
+        t0 = time.time()
+        write_random_checkpoint(ckpt_dir, vision=False, log=lambda *a: None)
+        log(f"checkpoint written in {time.time() - t0:.1f} s")
+    r, errors, times = {"checkpoint": os.path.abspath(ckpt_dir)}, {}, {}
+
+    def part(name, fn):
+        t0 = time.time()
+        log(f"--- {name} ---")
+        try:
+            r.update(fn())
+        except Exception as e:                          # noqa: BLE001 - recorded, reported in the JSON
+            import traceback
+            traceback.print_exc()
+            errors[name] = f"{type(e).__name__}: {e}"[:2000]
+            log(f"{name} FAILED: {errors[name]}")
+        times[name] = round(time.time() - t0, 1)
+
+    if model:
+        part("model", lambda: model_figures(ckpt_dir, profile=profile, log=log))
+    if server:
+        import bench_server
+        part("server", lambda: bench_server.server_figures(
+            ckpt_dir, device=device, requests=requests, cap=cap, readout_repeats=readout_repeats,
+            kv_tokens=server_kv_tokens, log=log))
+    if peer:
+        part("peer", lambda: peer_figures(ckpt_dir, peer_args, peer_timeout, log=log))
+        ratios, table = compare(r)
+        r.update(ratios)
+        log(table)
+    r["part_s"] = times
+    if errors:
+        r["errors"] = errors
     for k, v in r.items():
-        log(f"{k:>20}: {v}")
-    print(json.dumps(r))
+        if not k.startswith("kernels_"):
+            log(f"{k:>28}: {v}")
+    print(json.dumps(r), flush=True)
     return r
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
+                                 epilog="Commands: write, run (see `bench.py run --help`).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write", help="write the full-size random span-02 checkpoint")
     w.add_argument("dir")
     w.add_argument("--layers", type=int, default=30)
     w.add_argument("--no-vision", action="store_true")
-    r = sub.add_parser("run", help="load the full-size checkpoint on the GPU and time the engine's steps")
+    r = sub.add_parser("run", help="every figure of performance.md; the last line is one JSON object",
+                       description="Write the checkpoint if DIR has none, then: the step figures in this process "
+                                   "(GPU), the server figures through HTTP against `span02.py serve`, and with "
+                                   "--peer the transformers column. The last line printed is one JSON object.")
     r.add_argument("dir", nargs="?", default="/tmp/span02-full")
+    r.add_argument("--peer", action="store_true", help="also the peer column through transformers (bench_peer.py)")
+    r.add_argument("--requests", type=int, default=128,
+                   help="standard workload size in requests of 4 questions (performance.md: 256; default "
+                        "%(default)s, ~2 minutes at today's speed)")
+    r.add_argument("--cap", type=int, default=256, help="workload thought cap (default %(default)s)")
+    r.add_argument("--readout-repeats", type=int, default=5, help="readout requests timed (default %(default)s)")
+    r.add_argument("--server-kv-tokens", type=int, default=65536,
+                   help="--kv-tokens of the benchmarked server (default %(default)s)")
+    r.add_argument("--device", default="gpu", choices=["gpu", "cpu", "auto"],
+                   help="--device of the benchmarked server (default %(default)s; cpu for tests)")
+    r.add_argument("--skip-model", action="store_true", help="skip the in-process step figures")
+    r.add_argument("--skip-server", action="store_true", help="skip the server figures (load_s, readout, decisions)")
+    r.add_argument("--no-profile", action="store_true", help="skip the per-kernel tables (profile_decode)")
+    r.add_argument("--peer-args", default="", help="extra arguments for bench_peer.py, one string "
+                                                   "(e.g. '--device cpu --context 64' for tests)")
+    r.add_argument("--peer-timeout", type=float, default=480.0, help="seconds (default %(default)s)")
     ns = ap.parse_args(argv)
     if ns.cmd == "write":
         write_random_checkpoint(ns.dir, ns.layers, vision=not ns.no_vision)
-    else:
-        run(ns.dir)
-    return 0
+        return 0
+    import shlex
+    res = run(ns.dir, peer=ns.peer, model=not ns.skip_model, server=not ns.skip_server, profile=not ns.no_profile,
+              device=ns.device, requests=ns.requests, cap=ns.cap, readout_repeats=ns.readout_repeats,
+              server_kv_tokens=ns.server_kv_tokens, peer_args=shlex.split(ns.peer_args),
+              peer_timeout=ns.peer_timeout)
+    return 1 if res.get("errors") else 0
 
 
 if __name__ == "__main__":

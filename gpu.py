@@ -85,10 +85,13 @@ class DeviceArray:
 
 
 class Function:
-    """A kernel of a loaded module. `max_shared` remembers the dynamic shared-memory limit set so far."""
+    """A kernel of a loaded module. `max_shared` remembers the dynamic shared-memory limit set so far: without an
+    opt-in, static + dynamic shared memory must fit 48 KiB."""
 
     def __init__(self, handle, name):
-        self.handle, self.name, self.max_shared = handle, name, 48 * 1024
+        static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, handle),
+                       f"cuFuncGetAttribute {name} SHARED_SIZE_BYTES")
+        self.handle, self.name, self.max_shared = handle, name, 48 * 1024 - int(static)
 
 
 class Module:
@@ -165,6 +168,10 @@ class GPU:
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
         self.launch_hook = None            # called after each launch (profiling), see launch()
+        self.pdl = os.environ.get("SPAN02_PDL", "1") != "0"    # programmatic dependent launch where asked
+        self._pdl_attr = cu.CUlaunchAttribute()
+        self._pdl_attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._pdl_attr.value.programmaticStreamSerializationAllowed = 1
 
     check = staticmethod(check)
 
@@ -255,11 +262,14 @@ class GPU:
             self._modules[name] = Module(handle, name)
         return self._modules[name]
 
-    def launch(self, f, grid, block, args, shared=0, nbytes=None):
+    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False):
         """Launch kernel `f` on the stream. args: DeviceArray/ptr/None -> pointer, int -> int32,
         i64 -> int64, float -> float32. shared: dynamic shared memory bytes (opted in above 48 KiB).
         nbytes: the bytes the kernel must move (weights, KV), for profiles; `launch_hook(name, grid, block,
-        nbytes)`, when set, is called after each launch (model_gpu.profile_decode records an event there)."""
+        nbytes)`, when set, is called after each launch (model_gpu.profile_decode records an event there).
+        pdl: programmatic dependent launch (sm_90): the kernel may start while the previous one finishes, so it
+        MUST execute `griddepcontrol.wait` before it reads anything earlier kernels write and before its first
+        global write (it may fetch weights before). With `self.pdl` False every launch is plain."""
         if shared > f.max_shared:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(f.handle, attr, shared), f"cuFuncSetAttribute {f.name} shared={shared}")
@@ -267,8 +277,17 @@ class GPU:
         packed = [_arg(a) for a in args]
         params = (tuple(v for v, _ in packed), tuple(t for _, t in packed))
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        check(cu.cuLaunchKernel(f.handle, *grid, *block, shared, self.stream, params, 0),
-              f"cuLaunchKernel {f.name} grid={grid} block={block} shared={shared}")
+        if pdl and self.pdl:
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+            cfg.sharedMemBytes, cfg.hStream = shared, self.stream
+            cfg.attrs, cfg.numAttrs = [self._pdl_attr], 1
+            check(cu.cuLaunchKernelEx(cfg, f.handle, params, 0),
+                  f"cuLaunchKernelEx {f.name} grid={grid} block={block} shared={shared} (PDL)")
+        else:
+            check(cu.cuLaunchKernel(f.handle, *grid, *block, shared, self.stream, params, 0),
+                  f"cuLaunchKernel {f.name} grid={grid} block={block} shared={shared}")
         if self._capture_launches is not None:
             self._capture_launches += 1
         if self.launch_hook is not None:

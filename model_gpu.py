@@ -30,8 +30,7 @@ import gpu
 from layers import attention, embed
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
-from layers.linear import head_gpu, linear_gpu, upload_linear
-from layers.mlp import gelu_mul_gpu
+from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
 from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
@@ -101,8 +100,7 @@ class GpuModel(StepTools):
         H, I = t.hidden, t.intermediate
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
             ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H),
-            ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("gate", I), ("up", I),
-            ("act", I))}
+            ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("act", I))}
         self.ws.update(ids=g.empty((R,), np.int32), pos=g.empty((R,), np.int32), rows_seq=g.empty((R,), np.int32),
                        tables=g.empty((S * self.max_blocks,), np.int32), spans=g.empty((S * 64 * 2,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
@@ -174,11 +172,9 @@ class GpuModel(StepTools):
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
         x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)   # xn = input_layernorm(x) here
         q_in, k_in = self._v("q_in", T, Hq * D), self._v("k_in", T, Hkv * D)
-        linear_gpu(g, xn, w["self_attn.q_proj"], q_in)
-        linear_gpu(g, xn, w["self_attn.k_proj"], k_in)
-        v_in = None
-        if not geo.k_eq_v:
-            v_in = linear_gpu(g, xn, w["self_attn.v_proj"], self._v("v_in", T, Hkv * D))
+        v_in = None if geo.k_eq_v else self._v("v_in", T, Hkv * D)
+        projs = ["q_proj", "k_proj"] + ([] if v_in is None else ["v_proj"])
+        linear_multi_gpu(g, xn, [w["self_attn." + n] for n in projs], [q_in, k_in] + ([] if v_in is None else [v_in]))
         q = self._v("q", T, Hq, D)
         qkv_prep_gpu(g, q_in, k_in, v_in, w["self_attn.q_norm"], w["self_attn.k_norm"], w["inv_freq"], pos, eps,
                      q, None, None, kv=(self.k_pool[i], self.v_pool[i], rows_seq, tab))
@@ -190,10 +186,8 @@ class GpuModel(StepTools):
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
                             w["pre_feedforward_layernorm_2"], h, xn, e_in, eps)   # h = x + norm(a); xn, e_in
-        gate, up, act = self._v("gate", T, I), self._v("up", T, I), self._v("act", T, I)
-        linear_gpu(g, xn, w["mlp.gate_proj"], gate)
-        linear_gpu(g, xn, w["mlp.up_proj"], up)
-        gelu_mul_gpu(g, gate, up, act)
+        act = self._v("act", T, I)
+        gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
         m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)

@@ -52,6 +52,9 @@ import config
 import gpu
 import layers.linear as lin_mod
 import model as model_mod
+import bench
+import bench_peer
+import bench_server
 import prompt
 import span02
 import vision
@@ -61,8 +64,8 @@ from config import EngineConfig, PolicyConfig, Rope, vision_config
 from engine import Engine, EngineError, calibrate
 from layers import attention as A, moe, vision_tower
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
-from layers.linear import head_gpu, linear_gpu, upload_linear
-from layers.mlp import gelu_tanh
+from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
+from layers.mlp import gelu_mul_gpu, gelu_tanh
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu
 from model import SeqStep
 from policy import Question, Request, check_cost_table, r9
@@ -4419,3 +4422,736 @@ def test_gpu_profile_decode_times_every_launch_of_the_step(graph_pair):
     print(f"demo decode B=4 at 40 positions: {len(prof)} kernels, {total:.1f} us with the events")
     steps = [SeqStep((t,), len(tok), bl, readout=keys, argmax=True) for (tok, bl, keys), t in zip(seqs, first)]
     assert [_graph_out_bytes(o) for o in on.step(steps)] == [_graph_out_bytes(o) for o in off.step(steps)]
+
+
+# ====================================================================================================
+# === GPU dense layers: fused launches (linear_multi, gate_up_gelu) and decode-shape timings ===
+# ====================================================================================================
+# --- Fused dense launches (kernels_ptx/linear.cu, layers/linear.py): linear_multi_gpu (q+k(+v) in one launch) and
+# gate_up_gelu_gpu (gate, up, gelu_mul in one launch) byte-equal to the separate calls at T = 1, 3, 16, 64, 2048
+# (real shapes) and odd shapes, against float64 references, batch invariance of the fused outputs, and timings of
+# every real decode shape (T = 1 / 16 / 64) and of the fused launches, graph-replayed.
+
+
+H, I = 2816, 2112
+QKV_SHAPES = {'sliding': ((4096, H), (2048, H)), 'full': ((4096, H), (1024, H)),
+              'odd': ((1000, 704), (17, 704), (1, 704))}
+
+
+def _poisoned(g, shape, dtype=BF16):
+    a = g.empty(shape, dtype)
+    g.fill(a, 0xFF)                                                          # bf16 NaN
+    return a
+
+
+def _separate(g, xd, lins):
+    outs = [_poisoned(g, (xd.shape[0], lin.N)) for lin in lins]
+    for lin, out in zip(lins, outs):
+        linear_gpu(g, xd, lin, out)
+    res = [g.download(o) for o in outs]
+    for o in outs:
+        g.free(o)
+    return res
+
+
+def _multi(g, xd, lins):
+    outs = [_poisoned(g, (xd.shape[0], lin.N)) for lin in lins]
+    linear_multi_gpu(g, xd, lins, outs)
+    res = [g.download(o) for o in outs]
+    for o in outs:
+        g.free(o)
+    return res
+
+
+def _gelu_separate(g, xd, wg, wu):
+    t = xd.shape[0]
+    gate, up, act = _poisoned(g, (t, wg.N)), _poisoned(g, (t, wg.N)), _poisoned(g, (t, wg.N))
+    linear_gpu(g, xd, wg, gate)
+    linear_gpu(g, xd, wu, up)
+    gelu_mul_gpu(g, gate, up, act)
+    res = g.download(act)
+    g.free(gate), g.free(up), g.free(act)
+    return res
+
+
+def _gelu_fused(g, xd, wg, wu):
+    act = _poisoned(g, (xd.shape[0], wg.N))
+    gate_up_gelu_gpu(g, xd, wg, wu, act)
+    res = g.download(act)
+    g.free(act)
+    return res
+
+
+def _same(name, a, b):
+    a, b = np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)
+    bad = np.argwhere(a != b)
+    assert bad.size == 0, f'{name}: {len(bad)} of {a.size} outputs differ, first (t, n) {bad[:4].tolist()}'
+
+
+@needs_gpu
+@pytest.mark.parametrize('fmt', _LIN_FORMATS)
+def test_gpu_linear_multi_matches_separate(lin_g, fmt):
+    """linear_multi_gpu == linear_gpu per projection, byte for byte, and each vs float64."""
+    g, rng = lin_g, np.random.default_rng(11)
+    for name, shapes in QKV_SHAPES.items():
+        raws = [_lin_raw(rng, fmt, n, k) for n, k in shapes]
+        lins = [upload_linear(g, r) for r, _ in raws]
+        k = shapes[0][1]
+        for t in ((1, 3, 16, 64, 2048) if name != 'odd' else (1, 3, 17, 64, 65, 300)):
+            x = rng.standard_normal((t, k), np.float32).astype(BF16)
+            xd = g.upload(x)
+            fused, sep = _multi(g, xd, lins), _separate(g, xd, lins)
+            for j, ((n, _), (_, wref)) in enumerate(zip(shapes, raws)):
+                _same(f'multi {fmt} {name} proj {j} N={n} T={t}', fused[j], sep[j])
+                if t <= 64 or j == 0:
+                    _lin_check(f'multi {fmt} {name} N={n} K={k} T={t}', fused[j], x.astype(np.float64) @ wref.T)
+            g.free(xd)
+        # more than 4 projections: two launches, same bytes
+        if name == 'odd':
+            xd = g.upload(rng.standard_normal((5, k), np.float32).astype(BF16))
+            five = lins + lins[:2]
+            for a, b in zip(_multi(g, xd, five), _separate(g, xd, five)):
+                _same(f'multi {fmt} five projections', a, b)
+            g.free(xd)
+        for lin in lins:
+            _lin_free(g, lin)
+
+
+def _gelu_ref(x, wg, wu):
+    """float64 act of bf16-rounded gate and up (as the kernels round them before the activation)."""
+    gate = (x.astype(np.float64) @ wg.T).astype(np.float32).astype(BF16).astype(np.float32)
+    up = (x.astype(np.float64) @ wu.T).astype(np.float32).astype(BF16).astype(np.float64)
+    return gelu_tanh(gate).astype(np.float64) * up
+
+
+def _gelu_check(name, y, ref):
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all(), f'{name}: non-finite output (poison left?)'
+    err = np.abs(y - ref)
+    rms = np.sqrt(np.mean(ref ** 2)) + 1e-30
+    print(f'{name}: max abs {err.max():.3e}  max abs / rms {err.max() / rms:.3e}')
+    assert np.all(err <= 1e-2 * np.abs(ref) + 2e-3 * rms), f'{name}: error above bf16 tolerance'
+
+
+@needs_gpu
+@pytest.mark.parametrize('fmt', _LIN_FORMATS)
+def test_gpu_gate_up_gelu_matches_separate(lin_g, fmt):
+    """gate_up_gelu_gpu == linear_gpu(gate), linear_gpu(up), gelu_mul_gpu byte for byte; vs float64."""
+    g, rng = lin_g, np.random.default_rng(12)
+    for n, k, ts in ((I, H, (1, 3, 16, 64, 2048)), (1000, 704, (1, 3, 17, 64, 65, 300)),
+                     (17, 48, (1, 3, 17, 65)), (1, 2112, (1, 9, 70))):
+        (rg, wg), (ru, wu) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n, k)
+        lg, lu = upload_linear(g, rg), upload_linear(g, ru)
+        for t in ts:
+            x = (rng.standard_normal((t, k), np.float32) * 2).astype(BF16)
+            xd = g.upload(x)
+            fused = _gelu_fused(g, xd, lg, lu)
+            _same(f'gelu {fmt} N={n} K={k} T={t}', fused, _gelu_separate(g, xd, lg, lu))
+            if t <= 300:
+                _gelu_check(f'gelu {fmt} N={n} K={k} T={t}', fused, _gelu_ref(x, wg, wu))
+            g.free(xd)
+        _lin_free(g, lg), _lin_free(g, lu)
+
+
+@needs_gpu
+@pytest.mark.parametrize('fmt', ('fp8_channel', 'bf16'))
+def test_gpu_linear_fused_batch_invariance(lin_g, fmt):
+    """A row's fused outputs are the same bytes alone (T=1) and inside batches of 7 / 33 / 64 / 65 / 300."""
+    g, rng = lin_g, np.random.default_rng(13)
+    for (n1, k), n2 in (((2112, 2816), 1024), ((1000, 704), 17)):
+        (r1, _), (r2, _) = _lin_raw(rng, fmt, n1, k), _lin_raw(rng, fmt, n2, k)
+        (r3, _) = _lin_raw(rng, fmt, n1, k)
+        a, b, c = upload_linear(g, r1), upload_linear(g, r2), upload_linear(g, r3)
+        x = rng.standard_normal((300, k), np.float32).astype(BF16)
+        xd = g.upload(x)
+        full_m, full_g = _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c)
+        g.free(xd)
+        for t in (1, 7, 33, 64, 65):
+            rows = rng.choice(300, t, replace=False)
+            xd = g.upload(x[rows])
+            sub_m, sub_g = _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c)
+            for j in range(2):
+                _same(f'multi {fmt} proj {j} T={t} rows {rows[:4].tolist()}', sub_m[j], full_m[j][rows])
+            _same(f'gelu {fmt} T={t} rows {rows[:4].tolist()}', sub_g, full_g[rows])
+            g.free(xd)
+        for lin in (a, b, c):
+            _lin_free(g, lin)
+
+
+@needs_gpu
+def test_gpu_linear_fused_errors(lin_g):
+    g, rng = lin_g, np.random.default_rng(14)
+    a = upload_linear(g, _lin_raw(rng, 'fp8_channel', 256, 256)[0])
+    b = upload_linear(g, _lin_raw(rng, 'fp8_block', 256, 256)[0])           # (2, 2) block scales
+    c = upload_linear(g, _lin_raw(rng, 'fp8_channel', 16, 256)[0])
+    assert b.format == 'fp8_block'
+    xd = g.upload(rng.standard_normal((2, 256), np.float32).astype(BF16))
+    act = g.empty((2, 256), BF16)
+    with pytest.raises(ValueError):
+        gate_up_gelu_gpu(g, xd, a, b, act)                                   # two format families
+    with pytest.raises(ValueError):
+        gate_up_gelu_gpu(g, xd, a, c, act)                                   # two shapes
+    with pytest.raises(ValueError):
+        linear_multi_gpu(g, xd, [a, c], [act])                               # count mismatch
+    # mixed families in one linear_multi_gpu call: one launch per family, same bytes as separate calls
+    for u, v in zip(_multi(g, xd, [a, b, c]), _separate(g, xd, [a, b, c])):
+        _same('multi mixed families', u, v)
+    for lin in (a, b, c):
+        _lin_free(g, lin)
+    g.free(xd), g.free(act)
+
+
+# --- timings ------------------------------------------------------------------------------------------------
+DECODE_SHAPES = (('q_proj', 4096, H), ('k_proj sliding', 2048, H), ('k_proj full', 1024, H),
+                 ('o_proj', H, 4096), ('gate/up', I, H), ('down', H, I))
+COPIES = 8                                                                   # weights cycled: no L2 reuse
+
+
+def _copies(g, rng, n, k):
+    raw, _ = _lin_raw(rng, 'fp8_channel', n, k)
+    return [upload_linear(g, raw) for _ in range(COPIES)]
+
+
+@needs_gpu
+def test_gpu_linear_v2_timing(lin_g):
+    """Every real FP8 decode shape at T = 1 / 16 / 64 (decode family and prefill tile), the fused q+k and
+    gate_up_gelu launches vs their separate calls, and q_proj / gate_up at T = 2048; graph-replayed, 8 weight
+    copies cycled so the weights come from HBM. GB/s counts weight bytes only."""
+    g, rng = lin_g, np.random.default_rng(15)
+    lins = {name: _copies(g, rng, n, k) for name, n, k in DECODE_SHAPES}
+    total_us = {}
+    for t in (1, 16, 64):
+        for name, n, k in DECODE_SHAPES:
+            x, out = g.upload(rng.standard_normal((t, k), np.float32).astype(BF16)), g.empty((t, n), BF16)
+            ws = lins[name]
+            ms = _lin_time(g, lambda i: linear_gpu(g, x, ws[i % COPIES], out), 64)
+            gb = n * k / 1e9
+            line = f'{name:15s} {n}x{k} fp8 T={t:2d}: {ms * 1e3:6.2f} us {gb / ms * 1e3:5.0f} GB/s'
+            if t > 1:
+                saved, lin_mod.PREFILL_MIN_T = lin_mod.PREFILL_MIN_T, 1
+                try:
+                    mp = _lin_time(g, lambda i: linear_gpu(g, x, ws[i % COPIES], out), 16)
+                finally:
+                    lin_mod.PREFILL_MIN_T = saved
+                line += f'   (prefill tile: {mp * 1e3:6.2f} us)'
+            print(line)
+            if name != 'k_proj full':
+                total_us[t] = total_us.get(t, 0.0) + ms * 1e3 * (2 if name == 'gate/up' else 1)
+            g.free(x), g.free(out)
+    for t, us in total_us.items():
+        print(f'sliding layer, separate launches (q, k, o, gate, up, down) T={t}: {us:.1f} us')
+
+    for t in (1, 16, 64, 2048):
+        x = g.upload(rng.standard_normal((t, H), np.float32).astype(BF16))
+        for kname in ('k_proj sliding', 'k_proj full'):
+            nk = 2048 if kname == 'k_proj sliding' else 1024
+            q_out, k_out = g.empty((t, 4096), BF16), g.empty((t, nk), BF16)
+            qs, ks = lins['q_proj'], lins[kname]
+            it = 64 if t < 2048 else 8
+            mf = _lin_time(g, lambda i: linear_multi_gpu(g, x, [qs[i % COPIES], ks[i % COPIES]], [q_out, k_out]), it)
+            msep = _lin_time(g, lambda i: (linear_gpu(g, x, qs[i % COPIES], q_out),
+                                           linear_gpu(g, x, ks[i % COPIES], k_out)), it)
+            gb = (4096 + nk) * H / 1e9
+            print(f'q+{kname:15s} T={t:4d}: fused {mf * 1e3:7.2f} us {gb / mf * 1e3:5.0f} GB/s | '
+                  f'separate {msep * 1e3:7.2f} us')
+            g.free(q_out), g.free(k_out)
+        gu = lins['gate/up']
+        gate, up, act = g.empty((t, I), BF16), g.empty((t, I), BF16), g.empty((t, I), BF16)
+        it = 64 if t < 2048 else 8
+        mf = _lin_time(g, lambda i: gate_up_gelu_gpu(g, x, gu[i % COPIES], gu[(i + 1) % COPIES], act), it)
+        msep = _lin_time(g, lambda i: (linear_gpu(g, x, gu[i % COPIES], gate),
+                                       linear_gpu(g, x, gu[(i + 1) % COPIES], up), gelu_mul_gpu(g, gate, up, act)), it)
+        gb = 2 * I * H / 1e9
+        extra = f' {2 * gb * t / mf:.0f} TFLOP/s' if t == 2048 else ''
+        print(f'gate_up_gelu     T={t:4d}: fused {mf * 1e3:7.2f} us {gb / mf * 1e3:5.0f} GB/s{extra} | '
+              f'separate {msep * 1e3:7.2f} us')
+        g.free(gate), g.free(up), g.free(act), g.free(x)
+    for ws in lins.values():
+        for lin in ws:
+            _lin_free(g, lin)
+
+
+# ====================================================================================================
+# === GPU attention on tensor cores: split decode, fused prefill, byte identity, timings ===
+# ====================================================================================================
+# --- Tensor-core attention (kernels_ptx/attention.cu: attn_split_bf16_d{D} + attn_combine_bf16 for T <= 64,
+# attn_fused_bf16_d{D} above) against the float64 reference of layers/attention.py at the real shapes and odd
+# ones, on both launch paths; byte identity across the paths (decode == prefill == chunked prefill, alone ==
+# batched, fused tiles that mix sequences); the max_keys path of the decode graphs (split CTAs that walk several
+# chunk slots); and timings (decode B = 1, 16, 32, 64 at 1k context in GB/s, prefill T = 2048 in TFLOP/s),
+# graph-replayed. Helpers and the Scene (paged pools with NaN poison past every sequence) come from
+# test_span02.py's attention section.
+
+
+SPLIT = A.ATTN_SPLIT_ROWS          # T <= SPLIT: split + combine; T > SPLIT: fused
+
+
+def _both(g, sc, q, rs, rp, spans, window, sliding, name, max_keys=None):
+    """Run rows through the fused path (the launch itself when T > SPLIT) and through the split path (rows in
+    launches of <= SPLIT rows); check both against the reference and byte-equal to each other."""
+    T = len(rs)
+    rs, rp = np.asarray(rs, np.int32), np.asarray(rp, np.int32)
+    ref = reference(sc, q, rs.astype(np.int64), rp.astype(np.int64), spans, window, sliding)
+    outs = []
+    if T > SPLIT:
+        o = run_attn(g, sc, q, rs, rp, spans, window, sliding, max_keys=max_keys)
+        report(f"{name} fused T={T}", o, ref)
+        outs.append(o)
+    parts = [run_attn(g, sc, q[a:a + SPLIT], rs[a:a + SPLIT], rp[a:a + SPLIT], spans, window, sliding,
+                      max_keys=max_keys) for a in range(0, T, SPLIT)]
+    o = np.concatenate(parts)
+    report(f"{name} split T={T} (launches of <= {SPLIT})", o, ref)
+    outs.append(o)
+    if len(outs) == 2:
+        assert (bits(outs[0]) == bits(outs[1])).all(), f"{name}: fused and split paths differ"
+    return outs[0]
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full"])
+def test_gpu_attention_v2_reference_real(g, geo):
+    """Real shapes: prefill rows across the window and chunk boundaries (fused), the same rows by the split
+    path, decode rows of sequences of many lengths, and (sliding) image blocks seen bidirectionally."""
+    D, Hkv, sliding, Hq, Wn = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+    rng = np.random.default_rng(20)
+    lens = [2100, 1025, 64, 65, 1, 1087, 130]
+    sc = Scene(g, rng, lens, Hkv, D)
+    # prefill: positions 960 .. 1159 of seq 0 (crosses the 1024 window edge and chunks 15..18) -> fused
+    pos = np.arange(960, 1160)
+    q = rand_q(rng, len(pos), D, Hq)
+    _both(g, sc, q, np.zeros(len(pos), np.int32), pos, {}, Wn, sliding, f"attn v2 {geo} prefill [960, 1160)")
+    # decode: the last position of every sequence, plus chunk-edge positions 63, 64, 1023, 1024, 1086
+    rs = np.array(list(range(len(lens))) + [0, 0, 0, 0, 5], np.int32)
+    rp = np.array([n - 1 for n in lens] + [63, 64, 1023, 1024, 1086], np.int32)
+    q = rand_q(rng, len(rs), D, Hq)
+    report(f"attn v2 {geo} decode x{len(rs)}", run_attn(g, sc, q, rs, rp, {}, Wn, sliding),
+           reference(sc, q, rs.astype(np.int64), rp.astype(np.int64), {}, Wn, sliding))
+    # image blocks (sliding layers only; full layers ignore them): rows inside see the whole block
+    spans = {0: [(1000, 90), (1500, 200)], 5: [(1020, 67)]}
+    rs = np.array([0] * 120 + [5] * 30, np.int32)
+    rp = np.concatenate([np.arange(1480, 1600), np.arange(1025, 1055)]).astype(np.int32)
+    q = rand_q(rng, len(rs), D, Hq)
+    _both(g, sc, q, rs, rp, spans, Wn, sliding, f"attn v2 {geo} image blocks, two sequences")
+    sc.close()
+
+
+ODD_V2 = {"g2_d64_w32": (4, 2, 64, True, 32), "g4_d128_full": (4, 1, 128, False, 0),
+       "g3_d64_full": (6, 2, 64, False, 0), "g1_d128_w20": (3, 3, 128, True, 20),
+       "g16_d64_w70": (16, 1, 64, True, 70), "g3_d256_w100": (6, 2, 256, True, 100),
+       "g5_d512_full": (10, 2, 512, False, 0)}
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", list(ODD_V2))
+def test_gpu_attention_v2_odd(g, case):
+    """Odd geometries (G = 1, 3, 5, 16; D = 64, 128) at T = 1, 3, 17 (split) and T = 100 with rows of three
+    sequences interleaved at random (fused tiles with several passes), against the reference; every fused
+    row is byte-equal to the same row computed alone."""
+    Hq, Hkv, D, sliding, window = ODD_V2[case]
+    rng = np.random.default_rng(21)
+    lens = [3, 170, 400]
+    sc = Scene(g, rng, lens, Hkv, D)
+    spans = {1: [(5, 6), (20, 17), (150, 20)], 2: [(100, 90)]} if sliding else {}
+    for T in (1, 3, 17, 100):
+        rs = rng.integers(0, 3, T).astype(np.int32)
+        rp = np.array([rng.integers(0, lens[s]) for s in rs], np.int32)
+        q = rand_q(rng, T, D, Hq)
+        o = run_attn(g, sc, q, rs, rp, spans, window, sliding)
+        report(f"attn v2 {case} T={T}", o, reference(sc, q, rs.astype(np.int64), rp.astype(np.int64), spans,
+                                                       window, sliding))
+        if T == 100:
+            for r in range(0, T, 7):
+                o1 = run_attn(g, sc, q[r:r + 1], rs[r:r + 1], rp[r:r + 1], spans, window, sliding)
+                assert (bits(o1) == bits(o[r:r + 1])).all(), f"{case}: row {r} alone differs from the fused tile"
+    sc.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full", "sliding64", "full128"])
+def test_gpu_attention_v2_byte_identity(g, geo):
+    """One prompt of 1300 rows: full prefill (fused), chunked prefill of 100-row (fused) and 64-row (split)
+    launches, decode of single rows, decode batches of 64 mixing other sequences, and the reversed batch: every
+    row has the same bytes."""
+    D, Hkv, sliding, Hq, Wn = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+    rng = np.random.default_rng(22)
+    L = 1300
+    others = list(rng.integers(1, 1500, 63))
+    sc = Scene(g, rng, [L] + others, Hkv, D)
+    spans = {0: [(700, 300)]} if sliding else {}
+    q = rand_q(rng, L, D, Hq)
+    z = np.zeros(L, np.int32)
+    full = run_attn(g, sc, q, z, np.arange(L), spans, Wn, sliding)
+    for step in (100, 64):
+        ch = np.concatenate([run_attn(g, sc, q[a:a + step], z[a:a + step], np.arange(a, min(a + step, L)), spans,
+                                      Wn, sliding) for a in range(0, L, step)])
+        assert (bits(ch) == bits(full)).all(), f"chunked prefill ({step} rows) differs from one prefill"
+    qo = rand_q(rng, 63, D, Hq)
+    rp_o = np.array(others, np.int32) - 1
+    for r in (0, 63, 64, 699, 700, 999, 1023, 1024, 1299):
+        o1 = run_attn(g, sc, q[r:r + 1], z[:1], [r], spans, Wn, sliding)
+        assert (bits(o1) == bits(full[r:r + 1])).all(), f"decode of row {r} differs from prefill"
+        qb = np.concatenate([qo[:30], q[r:r + 1], qo[30:]])
+        rs = np.concatenate([np.arange(1, 31), [0], np.arange(31, 64)]).astype(np.int32)
+        rp = np.concatenate([rp_o[:30], [r], rp_o[30:]]).astype(np.int32)
+        ob = run_attn(g, sc, qb, rs, rp, spans, Wn, sliding)
+        assert (bits(ob[30:31]) == bits(full[r:r + 1])).all(), f"row {r} in a decode batch of 64 differs"
+        orv = run_attn(g, sc, qb[::-1].copy(), rs[::-1].copy(), rp[::-1].copy(), spans, Wn, sliding)
+        assert (bits(orv[::-1]) == bits(ob)).all(), "decode rows depend on their order in the batch"
+    sc.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full"])
+def test_gpu_attention_v2_max_keys_graph(g, geo):
+    """Decode graphs pass max_keys = the table capacity (8192: 129 slots, so a split CTA walks slots z,
+    z + 17, ...): the same bytes as the default max_keys and as the fused prefill, captured and replayed;
+    a too-small max_keys gives NaN on both paths."""
+    D, Hkv, sliding, Hq, Wn = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+    rng = np.random.default_rng(23)
+    lens = [3000, 1100, 40, 2049]
+    sc = Scene(g, rng, lens, Hkv, D)
+    B = 4
+    qh = rand_q(rng, B, D, Hq)
+    rs_h, rp_h = np.arange(B, dtype=np.int32), np.array(lens, np.int32) - 1
+    dflt = run_attn(g, sc, qh, rs_h, rp_h, {}, Wn, sliding)
+    report(f"attn v2 {geo} decode x{B}", dflt, reference(sc, qh, rs_h, rp_h, {}, Wn, sliding))
+    mk = 8192
+    big = run_attn(g, sc, qh, rs_h, rp_h, {}, Wn, sliding, max_keys=mk)
+    assert (bits(big) == bits(dflt)).all(), "max_keys 8192 differs from the default"
+    # the same rows inside a fused launch (100 rows of seq 0 ending at its last position + the others)
+    qf = np.concatenate([rand_q(rng, 99, D, Hq), qh])
+    rs_f = np.concatenate([np.zeros(99, np.int32), rs_h])
+    rp_f = np.concatenate([np.arange(lens[0] - 100, lens[0] - 1), rp_h]).astype(np.int32)
+    fused = run_attn(g, sc, qf, rs_f, rp_f, {}, Wn, sliding, max_keys=mk)
+    assert (bits(fused[99:]) == bits(dflt)).all(), "decode rows differ inside a fused launch"
+    # graph capture with a caller-owned scratch sized for max_keys
+    q, rs, rp = g.upload(qh), g.upload(rs_h), g.upload(rp_h)
+    out = g.empty((B, Hq * D), BF)
+    work = A.attention_work(g, B, Hq, D, mk)
+    g.fill(out, 0xFF)
+    g.sync()
+    g.capture_begin()
+    A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, Wn, sliding, out, max_keys=mk, work=work)
+    graph = g.capture_end()
+    graph.replay()
+    assert (bits(g.download(out)) == bits(dflt)).all(), "graph replay differs from eager"
+    graph.close()
+    for a in (q, rs, rp, out, work):
+        g.free(a)
+    # max_keys too small: NaN on the split (T = 4) and on the fused path (T = 103)
+    small = run_attn(g, sc, qh, rs_h, rp_h, {}, Wn, sliding, max_keys=100)
+    assert np.isnan(f64(small[0])).all()
+    fs = run_attn(g, sc, qf, rs_f, rp_f, {}, Wn, sliding, max_keys=100)
+    assert np.isnan(f64(fs[99])).all()
+    sc.close()
+
+
+def _graph_time(g, call, reps=20, replays=5):
+    for _ in range(3):
+        call()
+    g.sync()
+    g.capture_begin()
+    for _ in range(reps):
+        call()
+    graph = g.capture_end()
+    graph.replay()
+    g.sync()
+    e0, e1 = g.event(), g.event()
+    g.record(e0)
+    for _ in range(replays):
+        graph.replay()
+    g.record(e1)
+    ms = g.elapsed_ms(e0, e1) / (reps * replays)
+    graph.close()
+    return ms
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full"])
+def test_gpu_attention_v2_timing(g, geo):
+    """Decode B = 1, 16, 32, 64 at 1k context (every row its own sequence, max_keys as the decode graphs of a
+    8192-token table pass it): us per call and K/V GB/s. Prefill T = 2048 of one prompt: us and TFLOP/s
+    (useful FLOPs: 4 * D * Hq per visible (query, key) pair). Graph-replayed."""
+    D, Hkv, sliding, Hq, Wn = (GEO[geo][k] for k in ("D", "Hkv", "sliding", "Hq", "W"))
+    rng = np.random.default_rng(24)
+    ctx = 1024
+    sc = Scene(g, rng, [ctx] * 64 + [2048], Hkv, D)
+    mk = Wn if sliding else 8192
+    for B in (1, 16, 32, 64):
+        q = g.upload(rand_q(rng, B, D, Hq))
+        rs, rp = g.upload(np.arange(B, dtype=np.int32)), g.upload(np.full(B, ctx - 1, np.int32))
+        out = g.empty((B, Hq * D), BF)
+        work = A.attention_work(g, B, Hq, D, mk)
+        ms = _graph_time(g, lambda: A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, Wn, sliding, out,
+                                                    max_keys=mk, work=work))
+        kv = B * ctx * Hkv * D * 2 * 2
+        print(f"attn v2 decode {geo} B={B} ctx={ctx}: {ms * 1e3:.1f} us/call, K/V {kv / 1e6:.2f} MB -> "
+              f"{kv / ms / 1e6:.0f} GB/s (at 3.5 TB/s {kv / 3.5e6:.1f} us)")
+        for a in (q, rs, rp, out, work):
+            g.free(a)
+    T = 2048
+    q = g.upload(rand_q(rng, T, D, Hq))
+    rs, rp = g.upload(np.full(T, 64, np.int32)), g.upload(np.arange(T, dtype=np.int32))
+    out = g.empty((T, Hq * D), BF)
+    ms = _graph_time(g, lambda: A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, Wn, sliding, out),
+                     reps=5, replays=4)
+    p = np.arange(T)
+    keys = np.minimum(p + 1, Wn) if sliding else p + 1
+    flop = 4.0 * D * Hq * keys.sum()
+    print(f"attn v2 prefill {geo} T={T}: {ms * 1e3:.1f} us/call, {flop / 1e9:.1f} GFLOP -> "
+          f"{flop / ms / 1e9:.1f} TFLOP/s")
+    for a in (q, rs, rp, out):
+        g.free(a)
+    sc.close()
+
+
+# ====================================================================================================
+# === bench.py: server-level figures, the transformers peer, kernel tables (CPU) ===
+# ====================================================================================================
+# --- bench.py v2 (issue 6, item 1) on the CPU: the command line, the server-level figures against real
+# `span02.py serve` subprocesses on the demo model (tiny workload), the peer through transformers on the CPU
+# (config translation, one tiny run), and the per-kernel table. The GPU parts (the model's steps, the full-size
+# peer) run on the device only. Run: python -m pytest tests_parts/test_bench_v2.py
+
+
+DEMO = span02.DEMO_DIR
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def server_pids(monkeypatch):
+    """The pid of every server bench_server starts in this test."""
+    pids, start = [], bench_server.Server.start
+
+    def recording_start(self):
+        try:
+            return start(self)
+        finally:
+            if self.proc is not None:
+                pids.append(self.proc.pid)
+    monkeypatch.setattr(bench_server.Server, "start", recording_start)
+    return pids
+
+
+def test_help():
+    for args in (["--help"], ["run", "--help"], ["write", "--help"]):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0, p.stderr
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "run", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    for flag in ("--peer", "--requests", "--cap", "--skip-model", "--skip-server", "--device"):
+        assert flag in p.stdout
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench_peer.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "--context" in p.stdout
+
+
+def test_server_figures_on_demo_cpu(server_pids):
+    r = bench_server.server_figures(DEMO, device="cpu", requests=4, cap=4, readout_repeats=1, kv_tokens=16384,
+                                    log=lambda *a: None)
+    assert len(server_pids) == 2 and all(_gone(p) for p in server_pids)
+    assert r["server_exit_serial"] == 0 and r["server_exit_default"] == 0
+    assert 0 < r["load_s"] < 60 and 0 < r["load_s_second"] < 60
+    assert 0 < r["readout_stage_ms"] <= r["readout_ms"] <= r["readout_wall_ms"]
+    assert 480 <= r["readout_stem_tokens"] <= 512 and r["readout_repeats"] == 1
+    assert r["decisions_requests"] == 4 and r["decisions_questions"] == 16 and r["decisions_errors"] == 0
+    assert r["decisions_s"] > 0 and 0 < r["decisions_p50_ms"] <= r["decisions_p99_ms"]
+    assert r["decisions_p99_ms"] <= r["decisions_wall_s"] * 1e3 + 5.1     # wall_s is rounded to 10 ms
+    assert r["decisions_cap"] == 4 and r["decisions_tau"] == 0.8
+    # every question either passed the gate or thought to the cap (4 tokens) or closed its thought itself
+    assert sum(r["decisions_stops"].values()) == 16 and set(r["decisions_stops"]) <= {"gate", "cap", "closed"}
+    assert r["decisions_reasoning_tokens"] <= 16 * 4
+    # the requests' prompts: ~300-token context shared by 4 questions of ~60 tokens + 4 choices each
+    assert 4 * 330 < r["decisions_prompt_tokens_mean"] < 4 * 480
+    assert 3 * 280 < r["decisions_cached_tokens_mean"]
+    json.dumps(r)
+
+
+def test_workload_shape():
+    from prompt import Prompter
+    pr = Prompter(DEMO)
+    reqs = bench_server.workload_requests(pr, 3, cap=256)
+    assert len(reqs) == 3 and len({r["context"] for r in reqs}) == 3
+    for r in reqs:
+        assert 290 <= pr.count(r["context"]) <= 300 and r["policy"] == {"tau": 0.8, "cap": 256}
+        assert len(r["questions"]) == 4 and all(len(q["choices"]) == 4 for q in r["questions"])
+        assert all(50 <= pr.count(q["text"]) <= 61 for q in r["questions"])
+    stems = [bench_server.readout_stem_request(pr, 512, i) for i in range(2)]
+    for s in stems:
+        n = len(pr.stem("", s["context"], [], s["questions"][0]["text"], s["questions"][0]["choices"], []).tokens)
+        assert 500 <= n <= 512
+    assert stems[0]["context"][:20] != stems[1]["context"][:20]
+
+
+def test_server_start_failure_and_timeout_leave_no_process(tmp_path, server_pids):
+    with pytest.raises(bench_server.BenchError, match="exited with"):
+        with bench_server.Server(str(tmp_path), device="cpu", log=lambda *a: None):
+            pass
+    with pytest.raises(bench_server.BenchError, match="not ready"):
+        with bench_server.Server(DEMO, device="cpu", ready_timeout=0.01, log=lambda *a: None):
+            pass
+    assert len(server_pids) == 2 and all(_gone(p) for p in server_pids)
+
+
+def test_cli_peer_on_cpu_last_line_is_json():
+    """`bench.py run --skip-model --skip-server --peer` with the peer on the CPU: the peer subprocess and the
+    JSON last line (the model and server parts are covered above / on the GPU)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "run", DEMO, "--skip-model",
+                        "--skip-server", "--peer", "--peer-args",
+                        "--device cpu --context 40 --steps 4 --batches 1,2 --prefill 64"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "errors" not in r and r["part_s"]["peer"] > 0
+    assert r["peer_decode_b1"] > 0 and r["peer_decode_b2"] > 0 and r["peer_prefill_64"] > 0
+    assert r["peer_finite"] is True and r["peer_attn"] == "sdpa" and r["peer_weights_gib"] > 0
+
+
+def test_peer_config_translation():
+    """Our config.json -> Gemma4TextConfig -> Gemma4ForCausalLM (meta device): the demo's geometry, layer by layer
+    (the sliding / full head dims are checked on the built weights: transformers keeps them per layer)."""
+    cfg = bench_peer.hf_config(DEMO).to_dict()
+    with open(os.path.join(DEMO, "config.json")) as f:
+        text = json.load(f)["text_config"]
+    for k in ("hidden_size", "num_hidden_layers", "num_experts", "top_k_experts", "moe_intermediate_size",
+              "sliding_window", "layer_types", "vocab_size", "attention_k_eq_v", "intermediate_size"):
+        assert cfg[k] == text[k], k
+    assert cfg["hidden_size_per_layer_input"] == 0
+    model, _ = bench_peer.build(DEMO, device="meta", log=lambda *a: None)
+    H, heads = text["hidden_size"], text["num_attention_heads"]
+    for i, lt in enumerate(text["layer_types"]):
+        a = model.model.layers[i].self_attn
+        d, kv = ((text["global_head_dim"], text["num_global_key_value_heads"]) if lt == "full_attention"
+                 else (text["head_dim"], text["num_key_value_heads"]))
+        assert tuple(a.q_proj.weight.shape) == (heads * d, H) and tuple(a.k_proj.weight.shape) == (kv * d, H)
+    assert tuple(model.model.layers[0].experts.gate_up_proj.shape) == (
+        text["num_experts"], 2 * text["moe_intermediate_size"], H)
+
+
+def test_peer_full_size_geometry_on_meta(tmp_path):
+    text = dict(bench.FULL_TEXT)
+    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention"
+                           for i in range(30)]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    model, info = bench_peer.build(str(tmp_path), device="meta", log=lambda *a: None)
+    assert 46.5 < info["params_gib"] < 47.5 and info["attn"] == "sdpa"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_kernel_table_and_hook():
+    rows = [{"kernel": "gemv", "us": 10.0, "bytes": 40_000_000}, {"kernel": "norm", "us": 2.0, "bytes": None},
+            {"kernel": "gemv", "us": 30.0, "bytes": 80_000_000}, {"kernel": "attn", "us": 8.0, "bytes": 8_000_000}]
+    t = bench.kernel_table(rows)
+    assert [a["kernel"] for a in t] == ["gemv", "attn", "norm"]
+    assert t[0]["count"] == 2 and t[0]["us"] == 40.0 and t[0]["share"] == 0.8 and t[0]["gbs"] == 3000.0
+    assert t[2]["gbs"] is None and abs(sum(a["share"] for a in t) - 1) < 1e-3
+    assert "gemv" in bench.format_kernel_table(t, "title")
+
+    class Prof:
+        def profile_decode(self, b):
+            if b == 64:
+                raise ValueError("does not fit")
+            return rows
+    r = bench.kernel_figures(Prof(), log=lambda *a: None)
+    assert r["kernels_b1"] == t and r["kernel_sum_ms_b1"] == 0.05 and "kernels_b64" not in r
+    assert "does not fit" in r["kernels_error"]
+    assert bench.kernel_figures(object()) == {}
+
+
+def test_compare():
+    ratios, table = bench.compare({"decode_b1": 200.0, "peer_decode_b1": 20.0, "weights_gib": 15.0,
+                                   "peer_weights_gib": 47.0, "prefill_2k": 2400.0})
+    assert ratios == {"ratio_decode_b1": 10.0, "ratio_weights_gib": round(15 / 47, 3)}
+    assert "decode_b64" in table
+
+
+class _FakeGpu:
+    """Enough of gpu.py for copy_bandwidth: buffers, copies, events with a fixed elapsed time."""
+    def empty(self, shape, dtype):
+        return object()
+
+    def copy(self, dst, src):
+        pass
+
+    def sync(self):
+        pass
+
+    def event(self):
+        return object()
+
+    def record(self, ev):
+        pass
+
+    def elapsed_ms(self, a, b):
+        return 10.0
+
+    def free(self, buf):
+        pass
+
+
+class _FakeModel:
+    """The model part's view of a GpuModel, without a GPU: steps return a greedy token, one profile row per call."""
+    def __init__(self, cfg):
+        self.cfg, self.g, self.max_rows, self.weight_bytes = cfg, _FakeGpu(), 2048, 16 << 30
+        self.stats = {"launches_per_decode_step": 723, "host_syncs_per_decode_step": 1}
+        self.closed, self.rows = False, 0
+
+    def step(self, seqs):
+        from model import SeqOut
+        self.rows += sum(len(s.tokens) for s in seqs)
+        assert all(len(s.blocks) * 16 >= s.start + len(s.tokens) for s in seqs)
+        return [SeqOut(argmax=5) for _ in seqs]
+
+    def profile_decode(self, b):
+        return [{"kernel": "k", "us": 5.0 * b, "bytes": 1000 * b}]
+
+    def close(self):
+        self.closed = True
+
+
+def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
+    """model_figures without a GPU: every step figure and the kernel tables come back, the model is closed
+    (also when a figure fails)."""
+    import model as model_mod
+    from config import load_model_config
+    made = []
+
+    def fake_load(d, device="cpu", **kw):
+        assert device == "gpu" and kw["max_seqs"] == 64
+        made.append(_FakeModel(load_model_config(d)))
+        return made[-1]
+    monkeypatch.setattr(model_mod, "load", fake_load)
+    monkeypatch.setattr(bench, "decide", lambda m, d: {"readout_ms_engine": 1.0})
+    r = bench.model_figures(DEMO, log=lambda *a: None)
+    assert made[0].closed
+    for k in ("decode_b1", "decode_b16", "decode_b64", "step_ms_b1", "prefill_2k", "weights_gib", "mbu_b1",
+              "bytes_per_step_b1", "copy_gbs", "launches_per_decode_step", "host_syncs_per_decode_step",
+              "readout_ms_engine", "kernels_b1", "kernels_b64", "kernel_sum_ms_b64"):
+        assert k in r, k
+    assert r["decode_b1"] > 0 and r["weights_gib"] == 16.0 and r["kernels_b64"][0]["gbs"] == 0.2
+    monkeypatch.setattr(bench, "decide", lambda m, d: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bench.model_figures(DEMO, log=lambda *a: None)
+    assert made[1].closed
+
+
+def test_cli_failed_part_is_reported_in_the_json(tmp_path):
+    """A server that cannot start (config.json, no weights): the error is in the JSON's "errors", which is still
+    the last line, and the exit status is 1."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(DEMO, name)) as f:
+            (tmp_path / name).write_text(f.read())
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "run", str(tmp_path), "--skip-model",
+                        "--device", "cpu", "--requests", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 1
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "server" in r["errors"] and "exited with" in r["errors"]["server"] and "log tail" in r["errors"]["server"]

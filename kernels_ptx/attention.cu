@@ -1,76 +1,42 @@
 // Attention of one decoder layer on the GPU: q/k/v RMSNorm + NeoX RoPE, the paged KV scatter, and the
-// attention itself (split over fixed 64-key chunks, then a fixed-order combine).
+// attention itself on the tensor cores (mma.sync m16n8k16 bf16, fp32 accumulation).
 //
 // Shapes (letters as in Python): T rows of this step, Hq query heads, Hkv kv heads, D head_dim,
-// G = Hq / Hkv query heads per kv head; D in {64, 128, 256, 512} (attn_partial_bf16_d{D}, one template).
+// G = Hq / Hkv query heads per kv head (<= 16); D in {64, 128, 256, 512} (one template per D).
 // KV pools (blocks, 16, Hkv, D) bf16: position p of a sequence lives
 // in pool row  block_table[seq][p / 16] * 16 + p % 16.
 //
 // DETERMINISM. A query row (position p, head h) sees the contiguous key range [lo, hi]:
 //   lo = max(0, p - W + 1) on sliding layers, 0 on full layers; hi = p, or, on sliding layers when p is inside
 //   an image block (start, n), hi = start + n - 1 (the mask of layers.attention.mask is exactly this range).
-// The range is cut at ABSOLUTE 64-key boundaries (chunk c = keys 64c .. 64c+63). One warp computes the partial
-// softmax (m, l, acc[D]) of one (row, head, chunk); the combine kernel folds the chunks of a row in increasing c.
-// Prefill, chunked prefill and decode all run these same two kernels, and the partial of a (row, head, chunk)
-// depends only on that row's q and the chunk's keys, never on the launch shape: a query's output bytes are
-// identical whatever else is in the launch. Float arithmetic whose rounding matters is written with explicit
-// _rn intrinsics so that the compiler cannot contract it differently in different places.
+// The range is cut at ABSOLUTE 64-key boundaries (chunk c = keys 64c .. 64c+63). For every (row, head, chunk)
+// the same device code (attn_chunk below) computes the chunk's partial softmax
+//     m = max_j s_j,  p_j = bf16(exp(s_j - m)),  l = sum_j p_j,  acc[d] = sum_j p_j v_j[d]
+// (s_j = q . k_j, scaling 1.0; j over the chunk's keys inside [lo, hi]); the partials of a row are then folded
+// in increasing c by one fixed formula (fold_chunk). Two launch shapes use that code:
+//   - split (decode, T <= 64): attn_split_bf16_d{D}, one CTA per (row, kv head, chunk slot) writes the partial
+//     to scratch; attn_combine_bf16 folds a row's slots in increasing order;
+//   - fused (prefill): attn_fused_bf16_d{D}, one CTA per (tile of rows, kv head) walks the chunks in increasing
+//     order and folds each partial into registers with the same formula, no scratch.
+// The partial of a (row, head, chunk) depends only on that row's q and the chunk's keys, never on the launch
+// shape or on the row's place in the tile: every mma output element is its own dot product (the tensor core
+// does not mix rows of A or columns of B), the k-order of every mma chain is fixed (d ascending for S, key
+// ascending for P.V), and the cross-warp reductions (row max, row sum of p) run in a fixed warp order. Keys a
+// row may not see get score -inf (select, not arithmetic) and p = 0; keys no row of the tile may see are not
+// read at all (zero-filled in smem), so pool rows past a sequence's end (possibly NaN) never enter a sum.
+// So a query's output bytes are identical whatever else is in the launch (decode == prefill == chunked prefill).
+// Float arithmetic whose rounding matters is written with explicit _rn intrinsics / inline PTX so that the
+// compiler cannot contract it differently in different kernels.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
 #define KV_BLOCK 16      // positions per KV block
-#define CHUNK 64         // keys per attention partial (two per lane)
-
-__device__ __forceinline__ void unpack8(const uint4 u, float f[8]) {
-    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 t = __bfloat1622float2(b[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-
-// load_vec<N>: N consecutive bf16 (N = 2, 4, 8; address N * 2-byte aligned) -> N floats, one load.
-template <int N> __device__ __forceinline__ void load_vec(const __nv_bfloat16* __restrict__ p, float f[N]);
-template <> __device__ __forceinline__ void load_vec<8>(const __nv_bfloat16* __restrict__ p, float f[8]) {
-    unpack8(__ldg(reinterpret_cast<const uint4*>(p)), f);
-}
-template <> __device__ __forceinline__ void load_vec<4>(const __nv_bfloat16* __restrict__ p, float f[4]) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-template <> __device__ __forceinline__ void load_vec<2>(const __nv_bfloat16* __restrict__ p, float f[2]) {
-    const unsigned int u = __ldg(reinterpret_cast<const unsigned int*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-    f[0] = a.x; f[1] = a.y;
-}
-
-// store_vec<N>: N floats to N consecutive floats (address N * 4-byte aligned, 16 for N = 8), vector stores.
-template <int N> __device__ __forceinline__ void store_vec(float* __restrict__ p, const float* f);
-template <> __device__ __forceinline__ void store_vec<8>(float* __restrict__ p, const float* f) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-template <> __device__ __forceinline__ void store_vec<4>(float* __restrict__ p, const float* f) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-}
-template <> __device__ __forceinline__ void store_vec<2>(float* __restrict__ p, const float* f) {
-    reinterpret_cast<float2*>(p)[0] = make_float2(f[0], f[1]);
-}
+#define CHUNK 64         // keys per attention partial
 
 __device__ __forceinline__ float warp_sum(float v) {
     // xor butterfly: every lane ends with the same bits (each stage adds the same two values on both lanes)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -199,162 +165,468 @@ __device__ __forceinline__ void key_range(int r, const int* __restrict__ rows_se
     }
 }
 
-// attn_partial_bf16_d{D}: one warp per (row r, q head h, chunk slot z).
-// q (T, Hq, D) bf16 (roped); pools (blocks, 16, Hkv, D) bf16; block_tables int32 (S, max_blocks).
-// grid (ceil(nrows / QT), Hkv, max_slots), block (32, G, QT): threadIdx.y = head in the kv group, threadIdx.z =
-// row in the tile. Row r = row0 + blockIdx.x * QT + threadIdx.z, head h = blockIdx.y * G + threadIdx.y,
-// chunk c = lo / 64 + blockIdx.z (skipped when c > hi / 64).
-// Writes, at index i = ((r - row0) * Hq + h) * max_slots + z:
-//   part_ml[2i] = m (max score of the chunk), part_ml[2i+1] = l = sum_j exp(s_j - m),
-//   part_acc[i * D + d] = sum_j exp(s_j - m) * v_j[d]    (j over the chunk's keys inside [lo, hi], in order)
-// Score s_j = q . k_j (scaling 1.0), fp32, eight interleaved partial sums over d (d mod 8) joined in a fixed tree.
-template <int D>
-__device__ __forceinline__ void attn_partial(
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention on the tensor cores.
+//
+// Work split. A CTA computes, for one kv head and one chunk at a time, a tile of MT m16 row blocks
+// ("m-tiles") of (position, head) query rows: tile row m = position index pi * G + head-in-group hl, so the
+// G heads of a kv head share every K/V byte. NWG = D / 64 warps per m-tile: warp wg computes the scores
+// S = Q K^T of the chunk's keys [KW wg, KW wg + KW) (KW = 64 / NWG; all 64 keys when D = 64) over the full D,
+// and P.V for output columns [64 wg, 64 wg + 64). Row max and row sum of p cross the NWG warps through smem,
+// joined in warp order 0..NWG-1. K and V chunks, the Q tile and P (bf16) live in smem (ldmatrix fragments;
+// rows padded by 16 bytes: conflict-free). Loads are cp.async with zero-fill: K(c+1) streams in during the
+// softmax and P.V of c, V(c+1) during the scores of c+1.
+//   split: MT = 1, one position (its G heads, padded to 16 rows); grid (rows, Hkv, Z): CTA z handles the chunk
+//          slots z, z + Z, ... of its row (Z <= slots, from the launch shape only) and stores each partial.
+//   fused: MT = 2, RP = 32 / G positions (consecutive launch rows) per tile; grid (ceil(rows / RP), Hkv). The
+//          tile's rows may belong to several sequences: one pass per distinct sequence (rows of other
+//          sequences are masked in that pass), chunks in increasing order inside a pass; each row is folded
+//          only in its own pass, only for chunks that hold one of its keys.
+// Per (row, chunk) the instruction sequence is the same in both kernels (attn_tile's body), hence the bits.
+// ---------------------------------------------------------------------------------------------------------
+
+// e^x = 2^(x * log2 e): one rounded multiply, then ex2.approx.ftz (rel. error ~2^-22). Inline PTX, so every
+// kernel (split, fused, combine) runs the same two instructions. exp(-inf) = +0, exp(0) = 1.
+__device__ __forceinline__ float exp_fixed(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(__fmul_rn(x, 1.4426950408889634f)));
+    return r;
+}
+
+// The fold of one chunk partial (m, l, acc[]) into a row's running (M, L, A[]), in attn_combine_bf16 and in the
+// fused kernel: M' = max(M, m); a = exp(M - M'); b = exp(m - M'); L = fma(L, a, l b); A = fma(A, a, acc b).
+// Starts from M = -inf, L = 0, A = 0 (the first fold has a = 0, b = 1).
+struct FoldW {
+    float a, b;
+};
+__device__ __forceinline__ FoldW fold_weights(float& M, float& L, float m, float l) {
+    const float Mn = fmaxf(M, m);
+    FoldW w;
+    w.a = exp_fixed(__fsub_rn(M, Mn));
+    w.b = exp_fixed(__fsub_rn(m, Mn));
+    L = __fmaf_rn(L, w.a, __fmul_rn(l, w.b));
+    M = Mn;
+    return w;
+}
+__device__ __forceinline__ float fold_acc(float A, float acc, FoldW w) {
+    return __fmaf_rn(A, w.a, __fmul_rn(acc, w.b));
+}
+
+// D (16x8 f32) += A (16x16 bf16, row) * B (16x8 bf16, col). Fragments (g = lane / 4, t = lane % 4):
+//   a0 = A[g][2t, 2t+1]  a1 = A[g+8][2t, 2t+1]  a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
+//   b0 = B[2t, 2t+1][g]  b1 = B[2t+8, 2t+9][g];  d0, d1 = D[g][2t, 2t+1]  d2, d3 = D[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix: lanes 8i .. 8i+7 give the row addresses of 8x8 bf16 matrix i; register i of lane (g, t) gets
+// row g, columns 2t, 2t+1 of matrix i (.trans: rows 2t, 2t+1 of column g).
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+
+// 16-byte async copy global -> shared; ok = false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(void* s, const void* gsrc, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(gsrc), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int D> struct AttnCfg {
+    static_assert(D == 64 || D == 128 || D == 256 || D == 512, "D: 64, 128, 256 or 512");
+    static constexpr int NWG = D / 64;          // warps per m-tile; warp wg: output columns [64 wg, 64 wg + 64)
+    static constexpr int KW = CHUNK / NWG;      // keys per warp for S (keys [KW wg, KW wg + KW) of the chunk)
+    static constexpr int NTS = KW / 8;          // S n-tiles (8 keys) per warp
+    static constexpr int SROW = 2 * D + 16;     // smem bytes per Q / K / V row
+    static constexpr int PROW = 2 * CHUNK + 16; // smem bytes per P row
+};
+// Dynamic smem of attn_tile<D, MT>: K, V chunks; Q tile; P tile; row max / sum per (m-tile, warp, row);
+// per-position lo, hi, seq. layers/attention.py: attention_smem() computes the same.
+//   D=64: 23,360 / 28,288 B; D=128: 41,920 / 49,024 B; D=256: 79,040 / 90,496 B; D=512: 153,280 / 173,440 B
+//   (split MT = 1 / fused MT = 2).
+
+// attn_tile<D, MT, SPLIT>: see the block comment above. Arguments:
+// q (T, Hq, D) bf16 (roped); pools (blocks, 16, Hkv, D) bf16; block_tables int32 (S, max_blocks); spans see
+// key_range; rows row0 .. row0 + nrows - 1 of the launch (split: a group of the scratch); max_slots = chunk
+// slots per (row, head) in the scratch (a row needing more gets NaN, also in the fused kernel).
+// split writes, at i = ((r - row0) * Hq + h) * max_slots + z (z = c - lo / 64):
+//   part_ml[2i] = m, part_ml[2i+1] = l, part_acc[i * D + d] = acc[d];
+// fused writes out (T, Hq * D) bf16 = A / L of every row.
+template <int D, int MT, bool SPLIT>
+__device__ __forceinline__ void attn_tile(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
     const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
     const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ spans, int n_spans,
     int window, int sliding, int row0, int nrows, int Hq, int Hkv, int max_slots,
-    float* __restrict__ part_ml, float* __restrict__ part_acc) {
-    const int lane = threadIdx.x;
-    const int G = blockDim.y, QT = blockDim.z;
-    const int lr = blockIdx.x * QT + threadIdx.z;              // row within this launch's group
-    if (lr >= nrows) return;
-    const int r = row0 + lr;
-    const int kvh = blockIdx.y, h = kvh * G + threadIdx.y, z = blockIdx.z;
-    int lo, hi;
-    key_range(r, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
-    const int c = lo / CHUNK + z;
-    if (c > hi / CHUNK) return;                                // this row has fewer chunks: slot unused
-    const int jlo = max(lo, c * CHUNK), jhi = min(hi, c * CHUNK + CHUNK - 1);   // valid keys of the chunk
-    const int* bt = block_tables + (size_t)rows_seq[r] * max_blocks;
+    float* __restrict__ part_ml, float* __restrict__ part_acc, __nv_bfloat16* __restrict__ out) {
+    using C = AttnCfg<D>;
+    constexpr int NWG = C::NWG, KW = C::KW, NTS = C::NTS, SROW = C::SROW, PROW = C::PROW;
+    constexpr int NT = MT * NWG * 32;           // threads
+    constexpr int PPR = D / 8;                  // 16-byte pieces per Q / K / V row
+    static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0, "load loops");
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* Ks = smem;                                        // [64 keys][SROW]
+    uint8_t* Vs = Ks + CHUNK * SROW;                           // [64 keys][SROW]
+    uint8_t* Qs = Vs + CHUNK * SROW;                           // [16 MT rows][SROW]
+    uint8_t* Ps = Qs + 16 * MT * SROW;                         // [16 MT rows][PROW]
+    float* red_max = reinterpret_cast<float*>(Ps + 16 * MT * PROW);   // [MT][NWG][16]
+    float* red_sum = red_max + MT * NWG * 16;                  // [MT][NWG][16]
+    int* p_lo = reinterpret_cast<int*>(red_sum + MT * NWG * 16);       // [16 MT] per position of the tile
+    int* p_hi = p_lo + 16 * MT;
+    int* p_seq = p_hi + 16 * MT;                               // -1: past the launch's rows
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int mt = warp / NWG, wg = warp % NWG, g = lane >> 2, qd = lane & 3;
+    const int G = Hq / Hkv, kvh = blockIdx.y;
+    const int RP = SPLIT ? 1 : (16 * MT) / G;                  // positions per tile (rows RP * G used)
+    // fused: the last tiles (usually the latest positions, the most chunks) are launched first
+    const int lr0 = SPLIT ? (int)blockIdx.x : (int)(gridDim.x - 1 - blockIdx.x) * RP;
     const size_t HD = (size_t)Hkv * D;
-    const __nv_bfloat16* qr = q + ((size_t)r * Hq + h) * D;
+    const float NEG = -__int_as_float(0x7f800000);
 
-    // --- scores: lane owns keys j0 = 64c + lane and j1 = j0 + 32 ---
-    const int j0 = c * CHUNK + lane, j1 = j0 + 32;
-    const bool v0 = j0 >= jlo && j0 <= jhi, v1 = j1 >= jlo && j1 <= jhi;
-    // pool row of key j (only looked up for valid keys: table entries past hi may be junk); an invalid key
-    // reads pool row 0 (always allocated) and its score is replaced by -inf below, so loads need no branch.
-    const int row0k = v0 ? bt[j0 / KV_BLOCK] * KV_BLOCK + j0 % KV_BLOCK : 0;
-    const int row1k = v1 ? bt[j1 / KV_BLOCK] * KV_BLOCK + j1 % KV_BLOCK : 0;
-    const uint4* qv = reinterpret_cast<const uint4*>(qr);
-    const uint4* k0 = reinterpret_cast<const uint4*>(k_pool + (size_t)row0k * HD + (size_t)kvh * D);
-    const uint4* k1 = reinterpret_cast<const uint4*>(k_pool + (size_t)row1k * HD + (size_t)kvh * D);
-    float a0[8], a1[8];
+    if (tid < RP) {
+        const int lr = lr0 + tid;
+        int lo = 0, hi = -1, s = -1;
+        if (lr < nrows) {
+            key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
+            s = rows_seq[row0 + lr];
+        }
+        p_lo[tid] = lo;
+        p_hi[tid] = hi;
+        p_seq[tid] = s;
+    }
+    __syncthreads();
+
+    // split: slots z0, z0 + zstep, ... of the one position (CTA-uniform exit when it has fewer chunks)
+    const int z0 = SPLIT ? (int)blockIdx.z : 0, zstep = SPLIT ? (int)gridDim.z : 1;
+    if (SPLIT && (p_seq[0] < 0 || z0 >= max_slots || p_lo[0] / CHUNK + z0 > p_hi[0] / CHUNK)) return;
+
+    // this lane's two tile rows m = 16 mt + g (+8): position index, head, usable
+    int rpi[2], rh[2];
+    bool rok[2];
 #pragma unroll
-    for (int e = 0; e < 8; e++) { a0[e] = 0.f; a1[e] = 0.f; }
+    for (int rr = 0; rr < 2; rr++) {
+        const int m = 16 * mt + g + 8 * rr;
+        rok[rr] = m < RP * G && p_seq[m / G] >= 0;
+        rpi[rr] = rok[rr] ? m / G : 0;
+        rh[rr] = kvh * G + m % G;
+    }
+
+    float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};                 // fused: running fold per row
+    float A[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) A[n][i] = 0.f;
+
+    // Q tile (once): row m = position pi * G + hl -> q[(row0 + lr0 + pi) * Hq + kvh * G + hl]; unused rows 0
+#pragma unroll
+    for (int it = 0; it < 16 * MT * PPR / NT; it++) {
+        const int idx = tid + it * NT, m = idx / PPR, pc = idx % PPR, pi = m / G;
+        const bool ok = m < RP * G && p_seq[pi] >= 0;
+        const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * D + 8 * pc : q;
+        cp_async16(Qs + m * SROW + 16 * pc, src, ok);
+    }
+    // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read
+    auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
+                       int kmin, int kmax) {
 #pragma unroll 4
-    for (int w = 0; w < D / 8; w++) {                          // d = 8w + e, increasing w
-        float fq[8], f0[8], f1[8];
-        unpack8(__ldg(qv + w), fq);
-        unpack8(__ldg(k0 + w), f0);
-        unpack8(__ldg(k1 + w), f1);
+        for (int it = 0; it < CHUNK * PPR / NT; it++) {
+            const int idx = tid + it * NT, kk = idx / PPR, pc = idx % PPR, j = c * CHUNK + kk;
+            const bool ok = j >= kmin && j <= kmax;
+            const __nv_bfloat16* src = pool;
+            if (ok) src = pool + ((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D + 8 * pc;
+            cp_async16(dst + kk * SROW + 16 * pc, src, ok);
+        }
+    };
+
+    unsigned long long done = 0;                                // positions whose pass has run
+    for (;;) {
+        // the pass: the sequence of the first position not done, all positions of it (CTA-uniform)
+        int seq = -1;
+        for (int i = 0; i < RP; i++)
+            if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
+        if (seq < 0) break;
+        int kmin = 0x7fffffff, kmax = -1;                       // keys some row of the pass may see
+        for (int i = 0; i < RP; i++)
+            if (p_seq[i] == seq) {
+                done |= 1ull << i;
+                kmin = min(kmin, p_lo[i]);
+                kmax = max(kmax, p_hi[i]);
+            }
+        const int* bt = block_tables + (size_t)seq * max_blocks;
+        bool ract[2];
+        int rlo[2], rhi[2];
 #pragma unroll
-        for (int e = 0; e < 8; e++) {
-            a0[e] = __fmaf_rn(fq[e], f0[e], a0[e]);
-            a1[e] = __fmaf_rn(fq[e], f1[e], a1[e]);
+        for (int rr = 0; rr < 2; rr++) {
+            ract[rr] = rok[rr] && p_seq[rpi[rr]] == seq;
+            rlo[rr] = p_lo[rpi[rr]];
+            rhi[rr] = p_hi[rpi[rr]];
+        }
+        const int cb = kmin / CHUNK + z0, cs = zstep;
+        int ce = kmax / CHUNK;
+        if (SPLIT) ce = min(ce, kmin / CHUNK + max_slots - 1);  // slots past the scratch: the combine NaNs the row
+
+        load_kv(Ks, k_pool, bt, cb, kmin, kmax);
+        cp_async_commit();                                      // group: (Q,) K(cb)
+        load_kv(Vs, v_pool, bt, cb, kmin, kmax);
+        cp_async_commit();                                      // group: V(cb)
+        for (int c = cb; c <= ce; c += cs) {
+            const int cn = c + cs;                              // next chunk of the pass, if <= ce
+            cp_async_wait<1>();                                 // K(c) landed (V(c) may be in flight)
+            __syncthreads();
+
+            // --- S = Q K^T for rows of m-tile mt, keys KW wg + 8n + (0..7): d ascending, 16 per mma ---
+            float s[NTS][4];
+#pragma unroll
+            for (int n = 0; n < NTS; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) s[n][i] = 0.f;
+            {
+                const uint8_t* qa = Qs + (16 * mt + (lane & 15)) * SROW + 16 * (lane >> 4);
+                const uint8_t* kb = Ks + (KW * wg + (lane & 7)) * SROW + 16 * ((lane >> 3) & 1);
+#pragma unroll 4
+                for (int ks = 0; ks < D / 16; ks++) {
+                    uint32_t a[4];
+                    ldsm_x4(a, qa + 32 * ks);
+#pragma unroll
+                    for (int n = 0; n < NTS; n++) {
+                        uint32_t b[2];
+                        ldsm_x2(b, kb + n * 8 * SROW + 32 * ks);
+                        mma16816(s[n], a, b[0], b[1]);
+                    }
+                }
+            }
+            // mask (select): key j visible to the row iff it is in this pass and lo <= j <= hi; row max
+            float mx[2] = {NEG, NEG};
+#pragma unroll
+            for (int n = 0; n < NTS; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int rr = i >> 1, j = c * CHUNK + KW * wg + 8 * n + 2 * qd + (i & 1);
+                    const bool v = ract[rr] && j >= rlo[rr] && j <= rhi[rr];
+                    s[n][i] = v ? s[n][i] : NEG;
+                    mx[rr] = fmaxf(mx[rr], s[n][i]);
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+            }
+            float* rmax = red_max + mt * NWG * 16;
+            float* rsum = red_sum + mt * NWG * 16;
+            if (qd == 0) {
+                rmax[wg * 16 + g] = mx[0];
+                rmax[wg * 16 + g + 8] = mx[1];
+            }
+            __syncthreads();                                    // maxima visible; every warp is done with Ks
+            if (cn <= ce) load_kv(Ks, k_pool, bt, cn, kmin, kmax);
+            cp_async_commit();                                  // group: K(cn) (maybe empty)
+
+            // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: lane sum (n ascending), quad
+            //     butterfly, then the warps in order 0..NWG-1 ---
+            float mrow[2], lsum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float v = rmax[g + 8 * rr];
+#pragma unroll
+                for (int w = 1; w < NWG; w++) v = fmaxf(v, rmax[w * 16 + g + 8 * rr]);
+                mrow[rr] = v;
+            }
+            {
+                uint8_t* pw = Ps + (16 * mt + g) * PROW + 2 * (KW * wg + 2 * qd);
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];   // row without keys here: all p = 0
+#pragma unroll
+                    for (int n = 0; n < NTS; n++) {
+                        const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
+                        const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
+                        const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
+                        *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
+                        const float2 pf = __bfloat1622float2(pb);
+                        lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
+                    }
+                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
+                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
+                }
+            }
+            if (qd == 0) {
+                rsum[wg * 16 + g] = lsum[0];
+                rsum[wg * 16 + g + 8] = lsum[1];
+            }
+            cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
+            __syncthreads();                                    // ... for everyone; P and the sums visible
+            float lrow[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float v = rsum[g + 8 * rr];
+#pragma unroll
+                for (int w = 1; w < NWG; w++) v = __fadd_rn(v, rsum[w * 16 + g + 8 * rr]);
+                lrow[rr] = v;
+            }
+
+            // --- acc = P V for rows of m-tile mt, columns 64 wg + 8n + (0..7): keys ascending, 16 per mma ---
+            float o[8][4];
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) o[n][i] = 0.f;
+            {
+                const uint8_t* pa = Ps + (16 * mt + (lane & 15)) * PROW + 16 * (lane >> 4);
+                // x4.trans matrices: (keys 0-7, cols +0-7), (keys 8-15, +0-7), (keys 0-7, +8-15), (keys 8-15, +8-15)
+                const uint8_t* vb = Vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * SROW + 128 * wg + 16 * (lane >> 4);
+#pragma unroll
+                for (int ks = 0; ks < CHUNK / 16; ks++) {
+                    uint32_t a[4];
+                    ldsm_x4(a, pa + 32 * ks);
+#pragma unroll
+                    for (int np = 0; np < 4; np++) {
+                        uint32_t b[4];
+                        ldsm_x4_t(b, vb + 16 * ks * SROW + 32 * np);
+                        mma16816(o[2 * np], a, b[0], b[1]);
+                        mma16816(o[2 * np + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+
+            if (SPLIT) {                                        // store the partial of slot z
+                const int z = c - kmin / CHUNK;
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (!ract[rr]) continue;                    // rows m < G of the one position
+                    const size_t i = ((size_t)lr0 * Hq + rh[rr]) * max_slots + z;
+                    float* pa = part_acc + i * D + 64 * wg + 2 * qd;
+#pragma unroll
+                    for (int n = 0; n < 8; n++)
+                        *reinterpret_cast<float2*>(pa + 8 * n) = make_float2(o[n][2 * rr], o[n][2 * rr + 1]);
+                    if (wg == 0 && qd == 0) {
+                        part_ml[2 * i] = mrow[rr];
+                        part_ml[2 * i + 1] = lrow[rr];
+                    }
+                }
+            } else {                                            // fold into the running state
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (!(ract[rr] && c >= rlo[rr] / CHUNK && c <= rhi[rr] / CHUNK)) continue;
+                    const FoldW w = fold_weights(M[rr], L[rr], mrow[rr], lrow[rr]);
+#pragma unroll
+                    for (int n = 0; n < 8; n++) {
+                        A[n][2 * rr] = fold_acc(A[n][2 * rr], o[n][2 * rr], w);
+                        A[n][2 * rr + 1] = fold_acc(A[n][2 * rr + 1], o[n][2 * rr + 1], w);
+                    }
+                }
+            }
+            __syncthreads();                                    // every warp is done with Vs and Ps
+            if (cn <= ce) load_kv(Vs, v_pool, bt, cn, kmin, kmax);
+            cp_async_commit();                                  // group: V(cn) (maybe empty)
         }
     }
-    const float ninf = -__int_as_float(0x7f800000);
-    float s0 = __fadd_rn(__fadd_rn(__fadd_rn(a0[0], a0[1]), __fadd_rn(a0[2], a0[3])),
-                         __fadd_rn(__fadd_rn(a0[4], a0[5]), __fadd_rn(a0[6], a0[7])));
-    float s1 = __fadd_rn(__fadd_rn(__fadd_rn(a1[0], a1[1]), __fadd_rn(a1[2], a1[3])),
-                         __fadd_rn(__fadd_rn(a1[4], a1[5]), __fadd_rn(a1[6], a1[7])));
-    s0 = v0 ? s0 : ninf;
-    s1 = v1 ? s1 : ninf;
-    const float m = warp_max(fmaxf(s0, s1));                   // finite: the chunk has >= 1 valid key
-    const float p0 = v0 ? expf(__fsub_rn(s0, m)) : 0.f;
-    const float p1 = v1 ? expf(__fsub_rn(s1, m)) : 0.f;
-    const float l = warp_sum(__fadd_rn(p0, p1));
+    cp_async_wait<0>();
 
-    // --- p . V: lane owns EPL = D / 32 elements, in SEG segments of VEC = min(8, EPL) consecutive ones:
-    //     d = (32 * VEC) * seg + VEC * lane + e   (D = 256: 8 * lane + e; D = 512: 256 * seg + 8 * lane + e;
-    //     D = 128: 4 * lane + e; D = 64: 2 * lane + e). Each segment is one coalesced 64 * VEC-byte load per key.
-    //     Per element: acc[d] = fma(p_j, v_j[d], acc[d]) over the valid keys j in increasing order, for every D.
-    constexpr int EPL = D / 32, VEC = EPL < 8 ? EPL : 8, SEG = EPL / VEC;
-    static_assert(D % 64 == 0 && SEG * VEC * 32 == D, "D: 64, 128 or a multiple of 256");
-    float acc[EPL];
+    if (!SPLIT) {                                               // out = A / L (NaN: more chunks than max_slots)
 #pragma unroll
-    for (int i = 0; i < EPL; i++) acc[i] = 0.f;
-    const int jb = jlo - c * CHUNK, je = jhi - c * CHUNK;      // valid key slots jb..je (warp-uniform)
-#pragma unroll 4
-    for (int jj = jb; jj <= je; jj++) {                        // increasing key order
-        const float pj = __shfl_sync(0xffffffffu, jj < 32 ? p0 : p1, jj & 31);
-        const int prow = __shfl_sync(0xffffffffu, jj < 32 ? row0k : row1k, jj & 31);   // valid: jb <= jj <= je
-        const __nv_bfloat16* vr = v_pool + (size_t)prow * HD + (size_t)kvh * D;
+        for (int rr = 0; rr < 2; rr++) {
+            if (!rok[rr]) continue;
+            const int pi = rpi[rr];
+            const bool bad = p_hi[pi] / CHUNK - p_lo[pi] / CHUNK + 1 > max_slots;
+            __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * D + 64 * wg + 2 * qd;
 #pragma unroll
-        for (int sg = 0; sg < SEG; sg++) {
-            float fv[VEC];
-            load_vec<VEC>(vr + sg * 32 * VEC + lane * VEC, fv);
-#pragma unroll
-            for (int e = 0; e < VEC; e++) acc[sg * VEC + e] = __fmaf_rn(pj, fv[e], acc[sg * VEC + e]);
+            for (int n = 0; n < 8; n++) {
+                __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(A[n][2 * rr], L[rr]), __fdiv_rn(A[n][2 * rr + 1], L[rr]));
+                if (bad) v = __halves2bfloat162(__ushort_as_bfloat16((unsigned short)0x7fc0), __ushort_as_bfloat16((unsigned short)0x7fc0));
+                *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = v;
+            }
         }
     }
-    const size_t i = ((size_t)lr * Hq + h) * max_slots + z;
-    if (lane == 0) {
-        part_ml[2 * i] = m;
-        part_ml[2 * i + 1] = l;
-    }
-#pragma unroll
-    for (int sg = 0; sg < SEG; sg++)
-        store_vec<VEC>(part_acc + i * D + sg * 32 * VEC + lane * VEC, acc + sg * VEC);
 }
 
-#define ATTN_PARTIAL_ARGS                                                                                     \
+#define ATTN_ARGS                                                                                             \
     const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ k_pool,                          \
         const __nv_bfloat16 *__restrict__ v_pool, const int *__restrict__ rows_seq,                         \
         const int *__restrict__ rows_pos, const int *__restrict__ block_tables, int max_blocks,             \
         const int *__restrict__ spans, int n_spans, int window, int sliding, int row0, int nrows, int Hq,  \
-        int Hkv, int max_slots, float *__restrict__ part_ml, float *__restrict__ part_acc
-#define ATTN_PARTIAL_PASS                                                                                     \
+        int Hkv, int max_slots, float *__restrict__ part_ml, float *__restrict__ part_acc,                  \
+        __nv_bfloat16 *__restrict__ out
+#define ATTN_PASS                                                                                             \
     q, k_pool, v_pool, rows_seq, rows_pos, block_tables, max_blocks, spans, n_spans, window, sliding, row0,  \
-        nrows, Hq, Hkv, max_slots, part_ml, part_acc
+        nrows, Hq, Hkv, max_slots, part_ml, part_acc, out
 
-// One instantiation per head_dim; the template body (and so the arithmetic per element) is shared.
-extern "C" __global__ void __launch_bounds__(512) attn_partial_bf16_d64(ATTN_PARTIAL_ARGS) {
-    attn_partial<64>(ATTN_PARTIAL_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512) attn_partial_bf16_d128(ATTN_PARTIAL_ARGS) {
-    attn_partial<128>(ATTN_PARTIAL_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512) attn_partial_bf16_d256(ATTN_PARTIAL_ARGS) {
-    attn_partial<256>(ATTN_PARTIAL_PASS);
-}
-extern "C" __global__ void __launch_bounds__(512) attn_partial_bf16_d512(ATTN_PARTIAL_ARGS) {
-    attn_partial<512>(ATTN_PARTIAL_PASS);
-}
+// attn_split_bf16_d{D}: grid (nrows, Hkv, Z), block D/2, dynamic smem attention_smem(D, 1); out unused.
+// attn_fused_bf16_d{D}: grid (ceil(nrows / (32 / G)), Hkv, 1), block D, dynamic smem attention_smem(D, 2);
+//                       part_ml / part_acc unused.
+#define ATTN_KERNELS(D)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(D / 2) attn_split_bf16_d##D(ATTN_ARGS) {                   \
+        attn_tile<D, 1, true>(ATTN_PASS);                                                                    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(D) attn_fused_bf16_d##D(ATTN_ARGS) {                       \
+        attn_tile<D, 2, false>(ATTN_PASS);                                                                   \
+    }
+ATTN_KERNELS(64)
+ATTN_KERNELS(128)
+ATTN_KERNELS(256)
+ATTN_KERNELS(512)
 
-// attn_combine_bf16: fold the chunk partials of each (row, head) in increasing chunk order and normalise.
-// grid (nrows, Hq), block 128 (threads stride over d; D = 64 leaves threads 64..127 idle).
-// out (T, Hq * D) bf16, row r = row0 + blockIdx.x.
-// Fold (M, L, ACC) <- (m, l, acc):  M' = max(M, m); a = exp(M - M'); b = exp(m - M');
-//   L = L * a + l * b;  ACC = ACC * a + acc * b.   Starts from M = -inf, L = 0, ACC = 0.
-// A row whose chunk count exceeds max_slots (caller's max_keys too small) gets NaN, loudly.
+// attn_combine_bf16: fold the chunk partials of each (row, head) in increasing slot order (fold_weights /
+// fold_acc, as the fused kernel) and normalise: out = bf16(A / L). grid (nrows, Hq), block D/4: thread t owns
+// d = 4t .. 4t+3; partials are loaded 8 slots at a time (independent loads in flight), folded in order.
+// out (T, Hq * D) bf16, row r = row0 + blockIdx.x. A row whose chunk count exceeds max_slots (caller's max_keys
+// too small) gets NaN, loudly.
 extern "C" __global__ void attn_combine_bf16(
     const float* __restrict__ part_ml, const float* __restrict__ part_acc,
     const int* __restrict__ rows_seq, const int* __restrict__ rows_pos, const int* __restrict__ spans, int n_spans,
     int window, int sliding, int row0, int Hq, int D, int max_slots, __nv_bfloat16* __restrict__ out) {
-    const int lr = blockIdx.x, h = blockIdx.y, r = row0 + lr;
+    const int lr = blockIdx.x, h = blockIdx.y, r = row0 + lr, d = 4 * threadIdx.x;
     int lo, hi;
     key_range(r, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
     const int ns = hi / CHUNK - lo / CHUNK + 1;
     const size_t base = ((size_t)lr * Hq + h) * max_slots;
-    __nv_bfloat16* o = out + ((size_t)r * Hq + h) * D;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + ((size_t)r * Hq + h) * D + d);
     if (ns > max_slots) {
-        for (int d = threadIdx.x; d < D; d += blockDim.x) o[d] = __ushort_as_bfloat16((unsigned short)0x7fc0);
+        const __nv_bfloat16 nan = __ushort_as_bfloat16((unsigned short)0x7fc0);
+        o[0] = o[1] = __halves2bfloat162(nan, nan);
         return;
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float M = -__int_as_float(0x7f800000), L = 0.f, A = 0.f;
-        for (int z = 0; z < ns; z++) {
-            const float m = part_ml[2 * (base + z)], l = part_ml[2 * (base + z) + 1];
-            const float acc = part_acc[(base + z) * D + d];
-            const float Mn = fmaxf(M, m);
-            const float a = expf(__fsub_rn(M, Mn)), b = expf(__fsub_rn(m, Mn));
-            L = __fmaf_rn(L, a, __fmul_rn(l, b));
-            A = __fmaf_rn(A, a, __fmul_rn(acc, b));
-            M = Mn;
+    float M = -__int_as_float(0x7f800000), L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int z0 = 0; z0 < ns; z0 += 8) {
+        float mv[8], lv[8];
+        float4 av[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (z0 + k < ns) {
+                const size_t i = base + z0 + k;
+                mv[k] = part_ml[2 * i];
+                lv[k] = part_ml[2 * i + 1];
+                av[k] = *reinterpret_cast<const float4*>(part_acc + i * D + d);
+            }
         }
-        o[d] = __float2bfloat16_rn(__fdiv_rn(A, L));
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if (z0 + k < ns) {
+                const FoldW w = fold_weights(M, L, mv[k], lv[k]);
+                A[0] = fold_acc(A[0], av[k].x, w);
+                A[1] = fold_acc(A[1], av[k].y, w);
+                A[2] = fold_acc(A[2], av[k].z, w);
+                A[3] = fold_acc(A[3], av[k].w, w);
+            }
+        }
     }
+    o[0] = __floats2bfloat162_rn(__fdiv_rn(A[0], L), __fdiv_rn(A[1], L));
+    o[1] = __floats2bfloat162_rn(__fdiv_rn(A[2], L), __fdiv_rn(A[3], L));
 }

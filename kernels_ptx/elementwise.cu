@@ -11,6 +11,10 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Programmatic dependent launch: let the next kernel (if launched with PDL, e.g. the linear layers, which
+// wait with griddepcontrol.wait before reading what we write) start its prologue now. A no-op otherwise.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
@@ -146,6 +150,7 @@ __device__ void rmsnorm_rows(bf16* out, const bf16* x, const bf16* w, const bf16
 
 extern "C" __global__ void rmsnorm_bf16(bf16* out, const bf16* x, const bf16* __restrict__ w, int rows, int n,
                                         int heads, long long ld_x, long long ld_out, float eps, int vec) {
+    pdl_trigger();
     if (vec == 8) rmsnorm_rows<8, false, false>(out, x, w, nullptr, rows, n, heads, ld_x, ld_out, eps, 1.f);
     else rmsnorm_rows<1, false, false>(out, x, w, nullptr, rows, n, heads, ld_x, ld_out, eps, 1.f);
 }
@@ -202,6 +207,7 @@ extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __re
                                                 const bf16* __restrict__ x, const bf16* __restrict__ w_pa,
                                                 const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
                                                 int n, float eps) {
+    pdl_trigger();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
@@ -231,6 +237,7 @@ extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __res
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                const bf16* __restrict__ w4, int n, float eps, float scale) {
+    pdl_trigger();
     __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;

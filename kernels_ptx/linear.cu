@@ -1,25 +1,29 @@
 // Weight-only linear layers: Y (T, N) = X (T, K) @ W (N, K)^T, X bf16, fp32 accumulation, Y bf16 (or f32
 // for the tied head). W is FP8 e4m3 with a per-tensor / per-channel / 128x128-block fp32 scale, or bf16.
+// Every kernel also runs FUSED forms of the same per-output arithmetic in one launch:
+//   - multi: up to 4 projections of the same X (q, k, v: same K and weight format), each CTA one row tile of
+//     one projection (the tiles of projection 0, then 1, ...);
+//   - gelu: the dense MLP's act = bf16(bf16(gelu_tanh(bf16(gate))) * bf16(up)), gate and up rows computed by
+//     the same CTA (elementwise.cu's gelu_mul_bf16, bit for bit: gelu_mul below).
 //
-// Two kernel families with ONE per-output arithmetic, so a row's output never depends on T or on where the
-// row sits in the batch (policy.md "Determinism"): the memory-bound family `_t8.._t64` below (decode,
-// T <= 64) and the smem-tiled prefill family `_p` (further down) that reproduces it bit for bit. The contract:
-//   - (decode family) CTA = 8 warps = the 8 K-slices, tile 16 N-rows x (8*NT) tokens, grid (ceil(N/16), ceil(T/(8*NT))).
-//   - K is cut into 64-wide units u = 0..ceil(K/64)-1; unit u belongs to warp (slice) u % 8, and each warp
-//     walks its units in ascending order, 4 mma.sync m16n8k16 steps per unit into its own fp32 accumulator.
-//   - the 8 slice partials are summed in the fixed order 0,1,..,7 (__fadd_rn; via smem here, in registers in
-//     the prefill family), then the per-tensor/channel scale (__fmul_rn), then the round to bf16 and the store.
+// Two kernel families with ONE per-output arithmetic, so a row's output never depends on T, on where the
+// row sits in the batch, or on the fusion (policy.md "Determinism"): the memory-bound family `_t8.._t64` below
+// (decode, T <= 64) and the smem-tiled prefill family `_p` (further down) that reproduces it bit for bit. The
+// contract:
+//   - K is cut into 64-wide units u = 0..ceil(K/64)-1; unit u belongs to K-slice u % 8, and each slice walks
+//     its units in ascending order, 4 mma.sync m16n8k16 steps per unit into its own fp32 accumulator.
+//   - the 8 slice partials are summed in the fixed order 0,1,..,7 (__fadd_rn; via smem in the decode family,
+//     in registers in the prefill family), then the per-tensor/channel scale (__fmul_rn), then the round to
+//     bf16 (gelu: then gelu_mul on the two rounded values) and the store.
 //   The per-output arithmetic is therefore a function of (K, the row's weights, the token's x) only; NT
-//   (tokens per CTA, 8/16/32/64, picked from T by the launcher) and the grid change nothing but which
+//   (token tiles per CTA, picked from T by the launcher), the grid and the fusion change nothing but which
 //   outputs share a CTA. The mma computes each D element independently of the other rows/columns.
-//   Weight bytes are read once per call when T <= 8*NT = 64 (one CTA column); beyond that once per
-//   64-token tile (L2 catches most re-reads).
 //
-// Fragments come straight from global memory with 16-byte loads, no smem: lane (g = lane/4, q = lane%4)
-// owns K columns [64u + 16q, 64u + 16q + 16) of unit u, for W rows g and g+8 and for X tokens g. The mma's
-// logical k slots are mapped to physical K so that those 16 contiguous columns feed the lane's fragments
-// (a fixed permutation of K inside each 16-wide mma step; the same for A and B, so the dot product is the
-// same sum, only its order inside the tensor core differs from the textbook one, and it is fixed):
+// Fragments: lane (g = lane/4, q = lane%4) owns K columns [64u + 16q, 64u + 16q + 16) of unit u, for W rows g
+// and g+8 and for X tokens g. The mma's logical k slots are mapped to physical K so that those 16 contiguous
+// columns feed the lane's fragments (a fixed permutation of K inside each 16-wide mma step; the same for A and
+// B, so the dot product is the same sum, only its order inside the tensor core differs from the textbook one,
+// and it is fixed):
 //   step j (0..3) of unit u, lane q:  slots {2q, 2q+1}   <- physical K 64u + 16q + 4j + {0, 1}
 //                                     slots {2q+8, 2q+9} <- physical K 64u + 16q + 4j + {2, 3}
 //   A (16x16, row-major, W rows):  a[0] = W[g][+0,+1]  a[1] = W[g+8][+0,+1]  a[2] = W[g][+2,+3]  a[3] = W[g+8][+2,+3]
@@ -32,18 +36,21 @@
 // (exact: the result is a normal bf16 with <= 4 significant bits). Integer ops + 1 HMUL2 per 2 weights, no
 // conversion-unit work. NaN codes (0x7F/0xFF) do not survive (checkpoints hold none).
 //
-// Scales: per-tensor / per-channel multiply the finished fp32 sum (epilogue, S[row * s_stride], stride 0 for
-// tensor); 128x128 blocks: each 64-K unit lies inside one K block and the CTA's 16 rows inside one N block,
+// Scales: per-tensor / per-channel multiply the finished fp32 sum (epilogue, S[row * s_arg], s_arg 0 for
+// tensor); 128x128 blocks: each 64-K unit lies inside one K block and a 16-row tile inside one N block,
 // so a unit is accumulated from 0 into a fresh fp32 tile and added as acc = fma(unit_sum, S[n/128][k/128], acc).
 // Requirements (checked by the launcher): K % 16 == 0, 16-byte aligned base pointers (cuMemAlloc gives 256).
+//
+// PDL: every kernel executes griddepcontrol.launch_dependents at its start and griddepcontrol.wait before its
+// first read of X (weights and scales, which no kernel writes, may be fetched before it). Both are no-ops
+// unless the launch sets the programmatic-stream-serialization attribute; with it, the next kernel's launch
+// and this kernel's weight fetch overlap the previous kernel's tail.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
 
 #define SLICES 8        // warps per CTA = fixed K-slices (part of the determinism contract: never change per T)
 #define ROWS 16         // N rows per CTA (one m16 tile)
-#define UNR_FP8 4       // units whose weight loads are issued together (memory-level parallelism): 4 KB per warp
-#define UNR_BF16 2
 
 enum { FMT_FP8 = 0, FMT_FP8BLK = 1, FMT_BF16 = 2 };
 
@@ -84,125 +91,41 @@ __device__ __forceinline__ void e4m3x4_to_bf16x4(uint32_t w, uint32_t &lo, uint3
 
 __device__ __forceinline__ uint4 ldg16(const void *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
-// W: fp8 (N, K) bytes | bf16 (N, K). S: FMT_FP8: f32 S[row * s_arg] (s_arg 0 tensor, 1 channel);
-// FMT_FP8BLK: f32 (ceil(N/128), s_arg = ceil(K/128)); FMT_BF16: unused. X (T, K) bf16. Y (T, N) bf16 | f32.
-template <int FMT, int NT, bool F32OUT>
-__device__ __forceinline__ void linear_body(const void *__restrict__ W, const float *__restrict__ S, int s_arg,
-                                            const __nv_bfloat16 *__restrict__ X, void *__restrict__ Y,
-                                            int T, int N, int K) {
-    __shared__ float red[SLICES][NT * 4][32];                 // slice partials in D-fragment order, lane fastest
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, q = lane & 3;
-    const int row0 = blockIdx.x * ROWS;                       // first N row of this CTA
-    const int t0 = blockIdx.y * (8 * NT);                     // first token of this CTA
-    const int rg = row0 + g, rh = row0 + g + 8;               // the lane's two W rows
-    const int units = (K + 63) >> 6;                          // 64-wide K units
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
-    float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
-
-    constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
-    constexpr int UNR = FMT == FMT_BF16 ? UNR_BF16 : UNR_FP8;
-    for (int u0 = warp; u0 < units; u0 += SLICES * UNR) {
-        // 1) issue the weight loads of up to UNR units of this slice (units u0, u0+8, ...), zeros outside
-        uint4 wraw[UNR][2][WV];
-#pragma unroll
-        for (int r = 0; r < UNR; ++r) {
-            const int kk = ((u0 + r * SLICES) << 6) + 16 * q;  // the lane's first K column in that unit
-            const bool kin = (u0 + r * SLICES) < units && kk < K;
-#pragma unroll
-            for (int v = 0; v < WV; ++v) {
-                const uint4 z = make_uint4(0, 0, 0, 0);
-                if (FMT == FMT_BF16) {
-                    const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(W);
-                    wraw[r][0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
-                    wraw[r][1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
-                } else {
-                    const uint8_t *w8 = reinterpret_cast<const uint8_t *>(W);
-                    wraw[r][0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
-                    wraw[r][1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
-                }
-            }
-        }
-        // 2) per unit (ascending): A fragments for the 4 steps, then every token tile
-#pragma unroll
-        for (int r = 0; r < UNR; ++r) {
-            const int u = u0 + r * SLICES;
-            if (u >= units) break;                            // warp-uniform
-            const int kk = (u << 6) + 16 * q;
-            const bool kin = kk < K;
-            uint32_t a[4][4];                                 // [step j][fragment reg]
-            if (FMT == FMT_BF16) {
-                // row word m of the lane's 16 columns = columns 16q+2m, +1 (bf16 pair); step j uses words 2j, 2j+1
-                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wraw[r][0][0]);   // 8 words, row g
-                const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wraw[r][1][0]);   // 8 words, row g+8
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
-                }
-            } else {
-                // fp8 word j = columns 16q+4j .. +3 -> (lo = cols +0,+1, hi = cols +2,+3)
-                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wraw[r][0][0]);   // 4 words, row g
-                const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wraw[r][1][0]);   // 4 words, row g+8
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
-                    e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
-                }
-            }
-            float bscale = 0.f;                               // block scale of (row0/128, k/128): CTA-uniform
-            if (FMT == FMT_FP8BLK) bscale = __ldg(S + (size_t)(row0 >> 7) * s_arg + ((u << 6) >> 7));
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int t = t0 + 8 * n + g;                 // the lane's token (B column g)
-                uint4 x0 = make_uint4(0, 0, 0, 0), x1 = x0;
-                if (kin && t < T) {
-                    x0 = ldg16(X + (size_t)t * K + kk);       // columns 16q .. 16q+7
-                    x1 = ldg16(X + (size_t)t * K + kk + 8);   // columns 16q+8 .. 16q+15
-                }
-                const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                mma_unit<FMT>(acc[n], a, xw, bscale);
-            }
-        }
-    }
-
-    // 3) fixed-order reduction of the 8 slices, epilogue scale, store
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][n * 4 + i][lane] = acc[n][i];
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < NT * 4 * 32; idx += SLICES * 32) {
-        const int e = idx >> 5, l = idx & 31;                 // element e = n*4 + i of lane l's D fragments
-        float s = red[0][e][l];
-#pragma unroll
-        for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
-        const int row = row0 + (l >> 2) + ((e & 2) ? 8 : 0);  // d[2], d[3] are rows g+8
-        const int tok = t0 + 8 * (e >> 2) + 2 * (l & 3) + (e & 1);
-        if (row < N && tok < T) {
-            if (FMT == FMT_FP8) s = __fmul_rn(s, __ldg(S + (size_t)row * s_arg));
-            if (F32OUT) reinterpret_cast<float *>(Y)[(size_t)tok * N + row] = s;
-            else reinterpret_cast<__nv_bfloat16 *>(Y)[(size_t)tok * N + row] = __float2bfloat16_rn(s);
-        }
-    }
+// elementwise.cu gelu_mul_bf16 for one element, from the two bf16-rounded fp32 inputs: the same source
+// expression (so the same PTX: mul/fma/ex2.approx/rcp.approx sequence of tanhf, no mul+add pair that ptxas
+// could contract differently) -> bf16( bf16(gelu_tanh(g)) * u ).
+__device__ __forceinline__ __nv_bfloat16 gelu_mul(float g, float u) {
+    float a = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    float ar = __bfloat162float(__float2bfloat16_rn(a));
+    return __float2bfloat16_rn(ar * u);
 }
 
-// --- prefill tile (T > 64): the same per-output arithmetic, W and X staged in shared memory --------------
-// The decode family re-reads X from L2 for every 16 rows, which caps it far below the tensor cores at large
-// T. This kernel computes a 64-row x 32-token tile per CTA: 8 warps as 4 (16 rows) x 2 (16 tokens), every
-// warp walks ALL K units in ascending order and keeps the 8 slice partials apart in registers
-// (acc[u % 8]), then sums them 0..7 exactly as the decode family's smem reduction does. Each unit's step
-// sequence, k permutation, zero padding and block-scale fma are the decode family's, so every output is
-// bit-identical to it (the batch-invariance test compares T=300 here against T=1/7/33 there).
-// Smem per stage (one 64-K unit): W 64 rows x 64 B (fp8, rows contiguous) or x 144 B (bf16: 128 + 16 pad,
-// conflict-free 16-byte lane reads), X 32 tokens x 144 B. 4 stages, cp.async with zero-fill.
-#define P_ROWS 64
-#define P_TOK 32
-#define P_STAGES 4
-#define P_XSTRIDE 144
+// One projection of a fused launch: weights, scale (see linear_body), output (T, N).
+struct Proj {
+    const void *W;
+    const float *S;
+    int sa;
+    void *Y;
+    int N;
+};
+
+// The projection of row tile b (tiles of `rt` rows: projection 0's ceil(N0/rt) tiles, then projection 1's, ...);
+// b becomes the tile index inside it. CTA-uniform, no local memory.
+__device__ __forceinline__ Proj pick(int &b, int rt, const Proj &p0, const Proj &p1, const Proj &p2, const Proj &p3) {
+    int n = (p0.N + rt - 1) / rt;
+    if (b < n) return p0;
+    b -= n;
+    n = (p1.N + rt - 1) / rt;
+    if (b < n) return p1;
+    b -= n;
+    n = (p2.N + rt - 1) / rt;
+    if (b < n) return p2;
+    b -= n;
+    return p3;
+}
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool ok) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
@@ -213,6 +136,225 @@ template <int NPEND> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(NPEND));
 }
 
+// Epilogue of one output element from its finished slice sum(s): scale, round, (gelu_mul), store.
+template <int FMT, bool F32OUT, bool GELU>
+__device__ __forceinline__ void store_out(const Proj &p0, const Proj &p1, float v0, float v1, int row, int tok) {
+    if (FMT == FMT_FP8) {
+        v0 = __fmul_rn(v0, __ldg(p0.S + (size_t)row * p0.sa));
+        if (GELU) v1 = __fmul_rn(v1, __ldg(p1.S + (size_t)row * p1.sa));
+    }
+    const size_t o = (size_t)tok * p0.N + row;
+    if (GELU) {
+        const float gr = __bfloat162float(__float2bfloat16_rn(v0)), ur = __bfloat162float(__float2bfloat16_rn(v1));
+        reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = gelu_mul(gr, ur);
+    } else if (F32OUT) {
+        reinterpret_cast<float *>(p0.Y)[o] = v0;
+    } else {
+        reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = __float2bfloat16_rn(v0);
+    }
+}
+
+// --- decode family (T <= 64): GEMV-like, weight-stream bound -------------------------------------------------
+// CTA = 8 warps = the 8 K-slices (warp w = slice w), one 16-row tile (both the gate and the up tile for gelu)
+// x 8*NT tokens; grid (row tiles, ceil(T/(8*NT))). Warp w's work is a sequence of (job, unit) items: job 0's
+// units w, w+8, ... ascending, then (gelu) job 1's. The weight fragments of the next R items are kept in
+// flight in a register ring: item i is consumed from slot i % R and the slot is refilled at once with item
+// i + R, so a warp has R x 1 KB (fp8) of weights outstanding from its first instruction on (all of its
+// items for K <= 4096 at NT = 1: the whole 16-row tile is requested at t = 0).
+// X: NT == 1 (T <= 8): the CTA's <= 8 tokens x K are staged once in dynamic smem with cp.async (token stride
+//    K + 8 bf16, conflict-free 16-byte reads), overlapping the weight fetch; dynamic smem = min(T,8)*(K+8)*2 B.
+//    NT >= 2: each ring slot also carries the item's X fragments (2 x 16 B per 8-token tile), from L2.
+// Slice partials are reduced through smem in slice order 0..7 (as before: the determinism contract).
+template <int FMT, int NT, bool F32OUT, bool GELU, int R>
+__device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
+                                         const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int M = GELU ? 2 : 1;                           // jobs (row tiles of different W) per CTA
+    constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
+    constexpr bool XS = NT == 1;                              // X staged in smem
+    constexpr int XN = XS ? 1 : NT;                           // X tiles per ring slot (unused when XS)
+    __shared__ float red[SLICES][NT * 4][32];                 // slice partials in D-fragment order, lane fastest
+    extern __shared__ __align__(16) uint8_t xs_smem[];        // XS: (min(T,8), K + 8) bf16
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    int b = blockIdx.x;
+    const Proj p0 = GELU ? q0 : pick(b, ROWS, q0, q1, q2, q3);   // gelu: job 0 = gate (q0), job 1 = up (q1)
+    const Proj p1 = GELU ? q1 : p0;
+    const int N = p0.N;
+    const int row0 = b * ROWS;                                // first N row of this CTA's tile(s)
+    const int t0 = blockIdx.y * (8 * NT);                     // first token of this CTA
+    const int rg = row0 + g, rh = row0 + g + 8;               // the lane's two W rows
+    const int units = (K + 63) >> 6;                          // 64-wide K units
+    const int cnt = warp < units ? (units - warp + SLICES - 1) / SLICES : 0;   // units of slice `warp`
+    const int total = M * cnt;                                // items of this warp
+
+    float acc[M][NT][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+
+    uint4 wsl[R][2][WV];                                      // ring: W rows g, g+8 of the item
+    uint4 xsl[R][XN][2];                                      // ring: X token g of each 8-token tile (!XS)
+    float bsl[R];                                             // ring: 128x128 block scale of the item (FP8BLK)
+    // item i -> (job m, unit u): m = i >= cnt, u = warp + 8 * (i - m * cnt)
+    auto load = [&](int i, uint4 (&w)[2][WV], uint4 (&x)[XN][2], float &bs) {
+        const bool valid = i < total;
+        const int m = (M == 2 && i >= cnt) ? 1 : 0;
+        const int u = warp + SLICES * (i - m * cnt);
+        const int kk = (u << 6) + 16 * q;                     // the lane's first K column in that unit
+        const bool kin = valid && kk < K;
+        const void *Wm = m ? p1.W : p0.W;
+        const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int v = 0; v < WV; ++v) {
+            if (FMT == FMT_BF16) {
+                const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
+                w[0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
+                w[1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
+            } else {
+                const uint8_t *w8 = reinterpret_cast<const uint8_t *>(Wm);
+                w[0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
+                w[1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
+            }
+        }
+        if (FMT == FMT_FP8BLK) {                              // block (row0/128, k/128): CTA-uniform per item
+            const float *Sm = m ? p1.S : p0.S;
+            const int sam = m ? p1.sa : p0.sa;
+            bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
+        }
+        if (!XS) {
+#pragma unroll
+            for (int n = 0; n < XN; ++n) {
+                const int t = t0 + 8 * n + g;                 // the lane's token (B column g) of tile n
+                x[n][0] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk) : z;       // columns 16q .. 16q+7
+                x[n][1] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk + 8) : z;   // columns 16q+8 .. 16q+15
+            }
+        }
+    };
+
+    if (!XS) pdl_wait();                                      // the ring's X loads follow the previous kernel
+#pragma unroll
+    for (int r = 0; r < R; ++r) load(r, wsl[r], xsl[r], bsl[r]);   // prologue: items 0 .. R-1
+
+    const int xstr = K + 8;                                   // XS: smem token stride (bf16)
+    const int ntok = min(8, T - t0);                          // XS: real tokens of this CTA (>= 1)
+    if (XS) {
+        pdl_wait();
+        const int cpt = K >> 3;                               // 16-byte chunks per token row
+        for (int idx = threadIdx.x; idx < ntok * cpt; idx += SLICES * 32) {
+            const int tk = idx / cpt, c = idx - tk * cpt;
+            cp_async16(xs_smem + ((size_t)tk * xstr + 8 * c) * 2, X + (size_t)(t0 + tk) * K + 8 * c, true);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
+    for (int base = 0; base < total; base += R) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int i = base + r;
+            if (i >= total) break;                            // warp-uniform
+            const int m = (M == 2 && i >= cnt) ? 1 : 0;
+            const int u = warp + SLICES * (i - m * cnt);
+            const int kk = (u << 6) + 16 * q;
+            uint32_t a[4][4];                                 // [step j][fragment reg]
+            if (FMT == FMT_BF16) {
+                // row word m of the lane's 16 columns = columns 16q+2m, +1 (bf16 pair); step j uses words 2j, 2j+1
+                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wsl[r][0][0]);   // 8 words, row g
+                const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wsl[r][1][0]);   // 8 words, row g+8
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
+                }
+            } else {
+                // fp8 word j = columns 16q+4j .. +3 -> (lo = cols +0,+1, hi = cols +2,+3)
+                const uint32_t rgw[4] = {wsl[r][0][0].x, wsl[r][0][0].y, wsl[r][0][0].z, wsl[r][0][0].w};
+                const uint32_t rhw[4] = {wsl[r][1][0].x, wsl[r][1][0].y, wsl[r][1][0].z, wsl[r][1][0].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
+                    e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
+                }
+            }
+            const float bs = FMT == FMT_FP8BLK ? bsl[r] : 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                uint4 x0, x1;
+                if (XS) {
+                    x0 = x1 = make_uint4(0, 0, 0, 0);
+                    if (g < ntok && kk < K) {                 // token t0 + g exists; unit column inside K
+                        const uint8_t *xp = xs_smem + ((size_t)g * xstr + kk) * 2;
+                        x0 = *reinterpret_cast<const uint4 *>(xp);
+                        x1 = *reinterpret_cast<const uint4 *>(xp + 16);
+                    }
+                } else {
+                    x0 = xsl[r][n][0];
+                    x1 = xsl[r][n][1];
+                }
+                const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                if (M == 2 && m) mma_unit<FMT>(acc[M - 1][n], a, xw, bs);   // static indices only
+                else mma_unit<FMT>(acc[0][n], a, xw, bs);
+            }
+            load(i + R, wsl[r], xsl[r], bsl[r]);              // refill the slot (no-op past the end)
+        }
+    }
+
+    // fixed-order reduction of the 8 slices per job (red reused per job), then scale / round / store
+    constexpr int EL = NT * 4 * 32;                           // D elements per job in the CTA
+    constexpr int PER = (EL + SLICES * 32 - 1) / (SLICES * 32);
+    float v[M][PER];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][n * 4 + i][lane] = acc[m][n][i];
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int idx = threadIdx.x + k * SLICES * 32;
+            float s = 0.f;
+            if (idx < EL) {
+                const int e = idx >> 5, l = idx & 31;         // element e = n*4 + i of lane l's D fragments
+                s = red[0][e][l];
+#pragma unroll
+                for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
+            }
+            v[m][k] = s;
+        }
+        __syncthreads();                                      // red is rewritten by the next job
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int idx = threadIdx.x + k * SLICES * 32;
+        if (idx >= EL) break;
+        const int e = idx >> 5, l = idx & 31;
+        const int row = row0 + (l >> 2) + ((e & 2) ? 8 : 0);  // d[2], d[3] are rows g+8
+        const int tok = t0 + 8 * (e >> 2) + 2 * (l & 3) + (e & 1);
+        if (row < N && tok < T) store_out<FMT, F32OUT, GELU>(p0, p1, v[0][k], v[M - 1][k], row, tok);
+    }
+}
+
+// --- prefill tile (T > 64): the same per-output arithmetic, W and X staged in shared memory --------------
+// The decode family re-reads X from L2 for every 16 rows, which caps it far below the tensor cores at large
+// T. This kernel computes a 64-row x 32-token tile per CTA: 8 warps as 4 (16 rows) x 2 (16 tokens), every
+// warp walks ALL K units in ascending order and keeps the 8 slice partials apart in registers
+// (acc[u % 8]), then sums them 0..7 exactly as the decode family's smem reduction does. Each unit's step
+// sequence, k permutation, zero padding and block-scale fma are the decode family's, so every output is
+// bit-identical to it (the batch-invariance test compares T=300 here against T=1/7/33 there).
+// gelu: the CTA runs the K loop for the gate tile, keeps its 8 finished (scaled) sums per thread, then runs
+// it again for the up tile of the same rows and tokens and stores act (X is re-read, mostly from L2).
+// Smem per stage (one 64-K unit): W 64 rows x 64 B (fp8, rows contiguous) or x 144 B (bf16: 128 + 16 pad,
+// conflict-free 16-byte lane reads), X 32 tokens x 144 B. 4 stages, cp.async with zero-fill.
+#define P_ROWS 64
+#define P_TOK 32
+#define P_STAGES 4
+#define P_XSTRIDE 144
+
 template <int FMT> struct PrefillSmem {
     static constexpr int WSTRIDE = FMT == FMT_BF16 ? P_XSTRIDE : 64;        // bytes per W row in a stage
     static constexpr int WBYTES = P_ROWS * WSTRIDE;
@@ -220,15 +362,14 @@ template <int FMT> struct PrefillSmem {
     static constexpr int TOTAL = P_STAGES * STAGE;                          // fp8 34816 B, bf16 55296 B
 };
 
-template <int FMT, bool F32OUT>
-__device__ __forceinline__ void linear_prefill_body(const void *__restrict__ W, const float *__restrict__ S, int s_arg,
-                                                    const __nv_bfloat16 *__restrict__ X, void *__restrict__ Y,
-                                                    int T, int N, int K) {
+// acc[slice][token tile][D fragment] = the slice sums of the warp's 16 rows x 16 tokens over all of K.
+template <int FMT>
+__device__ __forceinline__ void prefill_mainloop(uint8_t *smem, const void *__restrict__ W, const float *__restrict__ S,
+                                                 int s_arg, const __nv_bfloat16 *__restrict__ X, int T, int N, int K,
+                                                 int row0, int t0, float (&acc)[SLICES][2][4]) {
     using SM = PrefillSmem<FMT>;
-    extern __shared__ __align__(16) uint8_t smem[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int wr = warp & 3, wt = warp >> 2;                  // warp's 16-row group and 16-token group
-    const int row0 = blockIdx.x * P_ROWS, t0 = blockIdx.y * P_TOK;
     const int units = (K + 63) >> 6;
 
     // stage loader for unit u: every thread issues its 16-byte pieces (zero-filled outside N, T, K)
@@ -253,7 +394,6 @@ __device__ __forceinline__ void linear_prefill_body(const void *__restrict__ W, 
         cp_async16(sx + tk * P_XSTRIDE + 16 * c, ok ? (const void *)(X + (size_t)(t0 + tk) * K + k) : (const void *)X, ok);
     };
 
-    float acc[SLICES][2][4];                                  // [slice u % 8][token tile][D fragment]
 #pragma unroll
     for (int s = 0; s < SLICES; ++s)
 #pragma unroll
@@ -310,6 +450,38 @@ __device__ __forceinline__ void linear_prefill_body(const void *__restrict__ W, 
         }
     }
     cp_async_wait<0>();
+    __syncthreads();                                          // the stages may be refilled by a next K loop
+}
+
+template <int FMT, bool F32OUT, bool GELU>
+__device__ __forceinline__ void prefill_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
+                                             const Proj &q1, const Proj &q2, const Proj &q3) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    pdl_trigger();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;
+    int b = blockIdx.x;
+    const Proj p0 = GELU ? q0 : pick(b, P_ROWS, q0, q1, q2, q3);
+    const Proj p1 = GELU ? q1 : p0;
+    const int row0 = b * P_ROWS, t0 = blockIdx.y * P_TOK;
+
+    float acc[SLICES][2][4];                                  // [slice u % 8][token tile][D fragment]
+    float gv[2][4];                                           // gelu: the gate tile's finished slice sums
+    if (GELU) {
+        prefill_mainloop<FMT>(smem, p0.W, p0.S, p0.sa, X, T, p0.N, K, row0, t0, acc);
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float v = acc[0][n][i];
+#pragma unroll
+                for (int s = 1; s < SLICES; ++s) v = __fadd_rn(v, acc[s][n][i]);
+                gv[n][i] = v;
+            }
+    }
+    const Proj &pm = GELU ? p1 : p0;                          // gelu: now the up tile
+    prefill_mainloop<FMT>(smem, pm.W, pm.S, pm.sa, X, T, pm.N, K, row0, t0, acc);
 
     // slices summed 0..7 in order (as the decode family's smem reduction), scale, store
 #pragma unroll
@@ -321,37 +493,50 @@ __device__ __forceinline__ void linear_prefill_body(const void *__restrict__ W, 
             for (int s = 1; s < SLICES; ++s) v = __fadd_rn(v, acc[s][n][i]);
             const int row = row0 + 16 * wr + g + ((i & 2) ? 8 : 0);
             const int tok = t0 + 16 * wt + 8 * n + 2 * q + (i & 1);
-            if (row < N && tok < T) {
-                if (FMT == FMT_FP8) v = __fmul_rn(v, __ldg(S + (size_t)row * s_arg));
-                if (F32OUT) reinterpret_cast<float *>(Y)[(size_t)tok * N + row] = v;
-                else reinterpret_cast<__nv_bfloat16 *>(Y)[(size_t)tok * N + row] = __float2bfloat16_rn(v);
+            if (row < p0.N && tok < T) {
+                if (GELU) store_out<FMT, F32OUT, GELU>(p0, p1, gv[n][i], v, row, tok);
+                else store_out<FMT, F32OUT, GELU>(p0, p1, v, v, row, tok);
             }
         }
 }
 
-// Exported kernels, one per (weight format, output dtype, NT) plus the prefill tile `_p`. Same signature for all:
-//   (W, S, s_arg, X (T, K) bf16, Y (T, N), T, N, K); block (256);
-//   _t8.._t64: grid (ceil(N/16), ceil(T/(8*NT))), no dynamic smem;
-//   _p: grid (ceil(N/64), ceil(T/32)), dynamic smem 34816 B (fp8) / 55296 B (bf16).
-#define LINEAR_KERNEL(name, FMT, NT, F32OUT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(SLICES * 32)                                                \
-    name(const void *__restrict__ W, const float *__restrict__ S, int s_arg, const __nv_bfloat16 *__restrict__ X, \
-         void *__restrict__ Y, int T, int N, int K) {                                                        \
-        linear_body<FMT, NT, F32OUT>(W, S, s_arg, X, Y, T, N, K);                                            \
+// Exported kernels, one per (weight format, output, fusion, NT) plus the prefill tile `_p`. One signature:
+//   (X (T, K) bf16, T, K, then 4 x (W, S, s_arg, Y, N)): projections 0..3; unused ones N = 0 (any pointers).
+//   gemm_*: Y_p (T, N_p) = X @ W_p^T for every projection p (1 to 4; all the same K and weight format).
+//   gelu_*: projection 0 = gate, 1 = up (same N), Y_0 = act (T, N) bf16; projections 2, 3 unused.
+// W: fp8 (N, K) bytes | bf16 (N, K). S: FMT_FP8: f32 S[row * s_arg] (s_arg 0 tensor, 1 channel);
+// FMT_FP8BLK: f32 (ceil(N/128), s_arg = ceil(K/128)); FMT_BF16: unused. block (256);
+//   _t8.._t64 (8*NT tokens per CTA): grid (sum_p ceil(N_p/16) | gelu ceil(N/16), ceil(T/(8*NT)));
+//     dynamic smem: _t8 min(T, 8) * (K + 8) * 2 bytes, others 0;
+//   _p: grid (sum_p ceil(N_p/64) | gelu ceil(N/64), ceil(T/32)), dynamic smem 34816 B (fp8) / 55296 B (bf16).
+#define LIN_PARAMS                                                                                             \
+    const __nv_bfloat16 *__restrict__ X, int T, int K,                                                       \
+    const void *W0, const float *S0, int sa0, void *Y0, int N0, const void *W1, const float *S1, int sa1,    \
+    void *Y1, int N1, const void *W2, const float *S2, int sa2, void *Y2, int N2, const void *W3,            \
+    const float *S3, int sa3, void *Y3, int N3
+#define LIN_PROJS {W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}
+
+#define DEC_KERNEL(name, FMT, NT, F32OUT, GELU, R, MINB)                                                      \
+    extern "C" __global__ void __launch_bounds__(SLICES * 32, MINB) name(LIN_PARAMS) {                       \
+        const Proj p[4] = {LIN_PROJS};                                                                       \
+        dec_body<FMT, NT, F32OUT, GELU, R>(X, T, K, p[0], p[1], p[2], p[3]);                                 \
     }
 
-#define LINEAR_FAMILY(prefix, FMT, F32OUT)                                                                     \
-    LINEAR_KERNEL(prefix##_t8, FMT, 1, F32OUT)                                                               \
-    LINEAR_KERNEL(prefix##_t16, FMT, 2, F32OUT)                                                              \
-    LINEAR_KERNEL(prefix##_t32, FMT, 4, F32OUT)                                                              \
-    LINEAR_KERNEL(prefix##_t64, FMT, 8, F32OUT)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 2)                                                     \
-    prefix##_p(const void *__restrict__ W, const float *__restrict__ S, int s_arg,                           \
-               const __nv_bfloat16 *__restrict__ X, void *__restrict__ Y, int T, int N, int K) {             \
-        linear_prefill_body<FMT, F32OUT>(W, S, s_arg, X, Y, T, N, K);                                        \
+// R (weight items in flight per warp) per NT: fp8 items are 8 registers (+ 8*NT of X for NT >= 2), bf16 16.
+#define LINEAR_FAMILY(prefix, FMT, F32OUT, GELU)                                                               \
+    DEC_KERNEL(prefix##_t8, FMT, 1, F32OUT, GELU, (FMT == FMT_BF16 ? 3 : 8), 2)                              \
+    DEC_KERNEL(prefix##_t16, FMT, 2, F32OUT, GELU, (FMT == FMT_BF16 ? 2 : 3), 2)                             \
+    DEC_KERNEL(prefix##_t32, FMT, 4, F32OUT, GELU, 2, 1)                                                     \
+    DEC_KERNEL(prefix##_t64, FMT, 8, F32OUT, GELU, (GELU ? 1 : 2), 1)                                        \
+    extern "C" __global__ void __launch_bounds__(256, 2) prefix##_p(LIN_PARAMS) {                            \
+        const Proj p[4] = {LIN_PROJS};                                                                       \
+        prefill_body<FMT, F32OUT, GELU>(X, T, K, p[0], p[1], p[2], p[3]);                                    \
     }
 
-LINEAR_FAMILY(gemm_fp8_bf16, FMT_FP8, false)        // FP8 e4m3, per-tensor (s_arg 0) / per-channel (s_arg 1)
-LINEAR_FAMILY(gemm_fp8blk_bf16, FMT_FP8BLK, false)  // FP8 e4m3, 128x128 block scales (s_arg = ceil(K/128))
-LINEAR_FAMILY(gemm_bf16_bf16, FMT_BF16, false)      // bf16 weights (router, bf16 checkpoints)
-LINEAR_FAMILY(gemm_bf16_f32, FMT_BF16, true)        // bf16 weights, f32 out (tied head logits)
+LINEAR_FAMILY(gemm_fp8_bf16, FMT_FP8, false, false)        // FP8 e4m3, per-tensor (s_arg 0) / per-channel (1)
+LINEAR_FAMILY(gemm_fp8blk_bf16, FMT_FP8BLK, false, false)  // FP8 e4m3, 128x128 block scales (s_arg = ceil(K/128))
+LINEAR_FAMILY(gemm_bf16_bf16, FMT_BF16, false, false)      // bf16 weights (router, bf16 checkpoints)
+LINEAR_FAMILY(gemm_bf16_f32, FMT_BF16, true, false)        // bf16 weights, f32 out (tied head logits)
+LINEAR_FAMILY(gelu_fp8_bf16, FMT_FP8, false, true)         // gate/up -> act, FP8 tensor / channel
+LINEAR_FAMILY(gelu_fp8blk_bf16, FMT_FP8BLK, false, true)   // gate/up -> act, FP8 128x128 blocks
+LINEAR_FAMILY(gelu_bf16_bf16, FMT_BF16, false, true)       // gate/up -> act, bf16 weights

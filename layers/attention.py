@@ -76,11 +76,15 @@ def scatter(pool, table, positions, rows):
 
 # --- GPU ---
 # Launchers for kernels_ptx/attention.cu (its header states the arithmetic and why a query's output bytes do
-# not depend on the launch: fixed 64-key chunks at absolute positions, folded in increasing order). Thin:
+# not depend on the launch: fixed 64-key chunks at absolute positions, each chunk's partial computed by the
+# same tensor-core code, folded in increasing order by one formula, in scratch (split) or in registers (fused)). Thin:
 # check shapes and dtypes, size the grid, launch. `g` is a gpu.GPU; arrays are gpu.DeviceArray.
 ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attention.cu)
 ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
-ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with an attn_partial_bf16_d{D} kernel (one template in attention.cu)
+ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
+ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
+ATTN_SPLIT_Z = 17                  # chunk-slot columns of the split grid (CTA z takes slots z, z + 17, ...):
+                                   # 17 = a full 1024-key window at any alignment; never more CTAs than slots
 
 
 def _need(a, shape, dtype, name):
@@ -173,23 +177,38 @@ def attention_slots(max_keys):
 
 
 def attention_work(g, rows, Hq, D, max_keys):
-    """Scratch (float32) for attention_gpu over `rows` rows: per (row, head, chunk slot) m, l and acc[D]."""
+    """Scratch (float32) for attention_gpu over `rows` rows: per (row, head, chunk slot) m, l and acc[D]
+    (only the split path, T <= ATTN_SPLIT_ROWS, uses it)."""
     return g.empty((rows * Hq * attention_slots(max_keys) * (D + 2) + 4,), np.float32)
+
+
+def attention_smem(D, MT):
+    """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT 2) for head_dim D (attn_tile in attention.cu):
+    K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row max / sum,
+    per-position lo / hi / seq."""
+    return ((2 * ATTN_CHUNK + 16 * MT) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
+            + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
 
 
 def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
                   max_keys=None, work=None):
-    """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax.
+    """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax with
+    p rounded to bf16 for the P.V tensor-core product (attention.cu header).
     q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {64, 128, 256, 512}; rows_seq, rows_pos
     (T,) int32: the row's sequence (index into block_tables / spans) and position; block_tables int32
     (S, max_blocks); spans None or int32 (S, n_spans, 2) of (start, n) image blocks (n = 0: unused), used on
     sliding layers only. Row (seq, p) sees keys [lo, hi]: lo = max(0, p - window + 1) if sliding else 0, hi = p,
     or the end of p's image block (sliding). The keys must already be in the pools (kv_write_gpu first).
     max_keys bounds hi - lo + 1 over the rows (default: window on sliding layers without spans, else the
-    table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN. work: float32 scratch
-    (attention_work); None allocates (and frees) one of at most ATTN_WORK_BYTES, so graph capture must pass
-    one sized for every row. Rows are processed in groups that fit the scratch: two kernels per group,
-    attn_partial_bf16_d{D} (grid (ceil(n / QT), Hkv, slots), block (32, G, QT)) and attn_combine_bf16."""
+    table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN.
+    Two launch shapes with the same per-(row, chunk) arithmetic, picked by T only (every grid depends on T and
+    max_keys only, never on the data: CUDA-graph safe):
+      T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, min(slots, ATTN_SPLIT_Z)), block D/2,
+        one CTA per (row, kv head, chunk slot column) writing partials to `work`, then attn_combine_bf16
+        grid (n, Hq), block D/4. work: float32 scratch (attention_work); None allocates (and frees) one of at
+        most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
+      T > ATTN_SPLIT_ROWS (prefill): attn_fused_bf16_d{D} grid (ceil(T / (32 // G)), Hkv), block D: a CTA
+        per (32 // G positions, kv head) folds the chunks in registers; no scratch (work unused)."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -212,8 +231,17 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if max_keys is None:
         max_keys = min(MB * BLOCK, window) if (sliding and use_spans is None) else MB * BLOCK
     slots = attention_slots(int(max_keys))
-    per_row = Hq * slots * (D + 2)                      # float32 scratch per row
+    per_row = Hq * slots * (D + 2)                      # float32 scratch per row (split path)
     if T == 0:
+        return
+    G = Hq // Hkv
+    mod = g.module("attention")
+    common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
+              int(bool(sliding))]
+    if T > ATTN_SPLIT_ROWS:
+        rp = 32 // G                                     # positions per fused tile (2 m16 tiles of rows)
+        g.launch(mod.function(f"attn_fused_bf16_d{D}"), grid=((T + rp - 1) // rp, Hkv, 1), block=(D, 1, 1),
+                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, 2))
         return
     own = work is None
     if own:
@@ -221,20 +249,18 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if work.dtype != np.float32 or work.size < per_row + 4:
         raise ValueError(f"work: float32 of at least {per_row} + 4 elements (attention_work)")
     group = min(T, (work.size - 4) // per_row)
-    G = Hq // Hkv
-    fp = g.module("attention").function(f"attn_partial_bf16_d{D}")
-    fc = g.module("attention").function("attn_combine_bf16")
+    fs = mod.function(f"attn_split_bf16_d{D}")
+    fc = mod.function("attn_combine_bf16")
     import gpu
     ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
     acc = gpu.ptr(work.ptr + 16 * ((group * Hq * slots * 2 + 3) // 4))  # (group, Hq, slots, D), 16 B aligned
+    zc = min(slots, ATTN_SPLIT_Z)
     try:
         for row0 in range(0, T, group):
             n = min(group, T - row0)
-            QT = max(1, min(16 // G, n))                  # rows per CTA (L1 sharing only; arithmetic per warp)
-            g.launch(fp, grid=((n + QT - 1) // QT, Hkv, slots), block=(32, G, QT),
-                     args=[q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans,
-                           int(window), int(bool(sliding)), row0, n, Hq, Hkv, slots, ml, acc])
-            g.launch(fc, grid=(n, Hq, 1), block=(128, 1, 1),
+            g.launch(fs, grid=(n, Hkv, zc), block=(D // 2, 1, 1),
+                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1))
+            g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
                            row0, Hq, D, slots, out])
     finally:

@@ -16,6 +16,7 @@ ROWS, THREADS = 16, 256                 # decode family: N rows per CTA, threads
 P_ROWS, P_TOK = 64, 32                  # prefill tile (`_p` kernels): N rows x tokens per CTA
 P_SMEM = {'bf16': 55296, 'fp8': 34816}  # prefill dynamic smem bytes (4 stages, linear.cu PrefillSmem)
 PREFILL_MIN_T = 65                      # T from which the `_p` tile runs (same bits; None = decode family always)
+XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
 
 # --- GPU ---
@@ -53,16 +54,40 @@ def _nt_suffix(t):
     return next(c for c in (8, 16, 32) if t <= c) if t <= 32 else 64
 
 
-def _launch(g, kernel, w_ptr, s, s_arg, x, out, n, k):
-    t, args = x.shape[0], [w_ptr, s, s_arg, x, out, x.shape[0], n, k]
+def _kernel_of(w, f32=False):
+    """Kernel family of a GpuLinear ('gemm_fp8_bf16', ...) and its s_arg (linear.cu: tensor 0 / channel 1 /
+    block ceil(K/128) / bf16 0)."""
+    if w.format == 'bf16':
+        return ('gemm_bf16_f32' if f32 else 'gemm_bf16_bf16'), 0
+    if w.format == 'fp8_block':
+        return 'gemm_fp8blk_bf16', -(-w.K // 128)
+    return 'gemm_fp8_bf16', int(w.format == 'fp8_channel')
+
+
+def _launch(g, kernel, x, projs, gelu=False):
+    """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
+    x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks the prefill tile or the decode family
+    by T (same bits either way)."""
+    t, k = x.shape
+    rows = [n for *_, n in projs]
+    args = [x, t, k]
+    for w_ptr, s, s_arg, out, n in list(projs) + [(None, None, 0, None, 0)] * (4 - len(projs)):
+        args += [w_ptr, s, s_arg, out, n]
+    wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
     if PREFILL_MIN_T is not None and t >= PREFILL_MIN_T:
         f = g.module('linear').function(f'{kernel}_p')
-        g.launch(f, grid=(-(-n // P_ROWS), -(-t // P_TOK), 1), block=(THREADS, 1, 1), args=args,
-                 shared=P_SMEM['bf16' if kernel.startswith('gemm_bf16') else 'fp8'])
-    else:
-        nt = _nt_suffix(t)
-        f = g.module('linear').function(f'{kernel}_t{nt}')
-        g.launch(f, grid=(-(-n // ROWS), -(-t // nt), 1), block=(THREADS, 1, 1), args=args)
+        tiles = -(-rows[0] // P_ROWS) if gelu else sum(-(-n // P_ROWS) for n in rows)
+        g.launch(f, grid=(tiles, -(-t // P_TOK), 1), block=(THREADS, 1, 1), args=args,
+                 shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, pdl=True)
+        return
+    nt = _nt_suffix(t)
+    shared = min(t, 8) * (k + 8) * 2 if nt == 8 else 0      # _t8 stages X in smem
+    if shared > XS_MAX:                                      # very large K: the _t16 kernel (X in registers)
+        nt, shared = 16, 0
+    f = g.module('linear').function(f'{kernel}_t{nt}')
+    tiles = -(-rows[0] // ROWS) if gelu else sum(-(-n // ROWS) for n in rows)
+    g.launch(f, grid=(tiles, -(-t // nt), 1), block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes,
+             pdl=True)                                       # every linear.cu kernel waits (griddepcontrol)
 
 
 def _check_x(x, k):
@@ -70,22 +95,57 @@ def _check_x(x, k):
         raise ValueError(f'x {x.shape} {x.dtype} at {x.ptr:#x}: expected (T, {k}) bf16, 16-byte aligned')
 
 
-def linear_gpu(g, x, w, out):
-    """x (T, K) bf16, w GpuLinear, out (T, N) bf16 (or f32 for bf16 weights) -> out."""
-    _check_x(x, w.K)
-    t = x.shape[0]
+def _check_out(out, t, w):
     f32 = out.dtype == F32
     if out.shape != (t, w.N) or out.dtype not in (BF16, F32) or (f32 and w.format != 'bf16'):
         raise ValueError(f'out {out.shape} {out.dtype}: expected ({t}, {w.N}) bf16 (f32 only for bf16 weights)')
-    if t == 0:
-        return out
-    if w.format == 'bf16':
-        _launch(g, 'gemm_bf16_f32' if f32 else 'gemm_bf16_bf16', w.w, None, 0, x, out, w.N, w.K)
-    elif w.format == 'fp8_block':
-        _launch(g, 'gemm_fp8blk_bf16', w.w, w.s, -(-w.K // 128), x, out, w.N, w.K)
-    else:
-        _launch(g, 'gemm_fp8_bf16', w.w, w.s, int(w.format == 'fp8_channel'), x, out, w.N, w.K)
+    return f32
+
+
+def linear_gpu(g, x, w, out):
+    """x (T, K) bf16, w GpuLinear, out (T, N) bf16 (or f32 for bf16 weights) -> out."""
+    _check_x(x, w.K)
+    f32 = _check_out(out, x.shape[0], w)
+    if x.shape[0]:
+        kernel, s_arg = _kernel_of(w, f32)
+        _launch(g, kernel, x, [(w.w, w.s, s_arg, out, w.N)])
     return out
+
+
+def linear_multi_gpu(g, x, ws, outs):
+    """Several projections of the same x in one launch (q, k, v): outs[i] = linear_gpu(g, x, ws[i], outs[i]),
+    byte for byte. All ws share K; projections of the same kernel family (fp8 tensor / channel mix freely) go
+    four per launch, in the order given; outputs bf16 (or f32 for bf16 weights). Returns outs."""
+    if len(ws) != len(outs):
+        raise ValueError(f'{len(ws)} weights for {len(outs)} outputs')
+    groups = {}
+    for w, out in zip(ws, outs):
+        _check_x(x, w.K)
+        kernel, s_arg = _kernel_of(w, _check_out(out, x.shape[0], w))
+        groups.setdefault(kernel, []).append((w.w, w.s, s_arg, out, w.N))
+    if x.shape[0]:
+        for kernel, projs in groups.items():
+            for i in range(0, len(projs), 4):
+                _launch(g, kernel, x, projs[i:i + 4])
+    return outs
+
+
+def gate_up_gelu_gpu(g, x, w_gate, w_up, act):
+    """The dense MLP's act = gelu_mul(bf16(x @ gate^T), bf16(x @ up^T)) in one launch, byte for byte what
+    linear_gpu(gate) -> linear_gpu(up) -> layers.mlp.gelu_mul_gpu gives. x (T, K) bf16, gate / up GpuLinear
+    of the same format family and shape (I, K), act (T, I) bf16. Returns act."""
+    _check_x(x, w_gate.K)
+    kg, sg = _kernel_of(w_gate)
+    ku, su = _kernel_of(w_up)
+    if kg != ku or (w_gate.N, w_gate.K) != (w_up.N, w_up.K):
+        raise ValueError(f'gate {w_gate.format} {w_gate.N}x{w_gate.K} / up {w_up.format} {w_up.N}x{w_up.K}: '
+                         'expected one format family and one shape')
+    if act.shape != (x.shape[0], w_gate.N) or act.dtype != BF16:
+        raise ValueError(f'act {act.shape} {act.dtype}: expected ({x.shape[0]}, {w_gate.N}) bf16')
+    if x.shape[0]:
+        _launch(g, kg.replace('gemm_', 'gelu_'), x,
+                [(w_gate.w, w_gate.s, sg, act, w_gate.N), (w_up.w, w_up.s, su, None, w_up.N)], gelu=True)
+    return act
 
 
 def head_gpu(g, x, table, out_f32):
@@ -97,5 +157,5 @@ def head_gpu(g, x, table, out_f32):
     if out_f32.shape != (x.shape[0], v) or out_f32.dtype != F32:
         raise ValueError(f'out {out_f32.shape} {out_f32.dtype}: expected ({x.shape[0]}, {v}) f32')
     if x.shape[0]:
-        _launch(g, 'gemm_bf16_f32', table, None, 0, x, out_f32, v, h)
+        _launch(g, 'gemm_bf16_f32', x, [(table, None, 0, out_f32, v)])
     return out_f32

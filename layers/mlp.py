@@ -23,3 +23,10 @@ def gelu_mul_gpu(g, gate, up, out):
     if n:
         g.launch(g.module("elementwise").function("gelu_mul_bf16"), grid=(-(-n // 256), 1, 1), block=(256, 1, 1),
                  args=[out, gate, up, gpu.i64(n)])
+
+
+def gate_up_gelu_gpu(g, x, w_gate, w_up, act):
+    """act = gelu_mul(bf16(x @ gate^T), bf16(x @ up^T)) in ONE launch, byte for byte linear_gpu(gate),
+    linear_gpu(up), gelu_mul_gpu (kernels gelu_* in linear.cu; see layers.linear.gate_up_gelu_gpu)."""
+    from layers.linear import gate_up_gelu_gpu as fused
+    return fused(g, x, w_gate, w_up, act)
