@@ -99,7 +99,7 @@ class GpuModel(StepTools):
         Dkv = max(geo.kv_heads * geo.head_dim for geo in t.layers)
         H, I = t.hidden, t.intermediate
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
-            ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H),
+            ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H), ("r", H),
             ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("act", I))}
         self.ws.update(ids=g.empty((R,), np.int32), pos=g.empty((R,), np.int32), rows_seq=g.empty((R,), np.int32),
                        tables=g.empty((S * self.max_blocks,), np.int32), spans=g.empty((S * 64 * 2,), np.int32),
@@ -184,14 +184,16 @@ class GpuModel(StepTools):
                       max_keys=max_keys, work=self.ws["attn_work"])
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
+        r = self._v("r", T, H)                                   # the MoE router's input row
         post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
-                            w["pre_feedforward_layernorm_2"], h, xn, e_in, eps)   # h = x + norm(a); xn, e_in
+                            w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,       # h = x + norm(a); xn, e_in, r
+                            router=(r, w["experts"]["router_scale"], H ** -0.5))
         act = self._v("act", T, I)
         gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
         m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
-        router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps)
+        router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
         moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws)
         # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
         nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None

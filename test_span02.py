@@ -66,7 +66,7 @@ from layers import attention as A, moe, vision_tower
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
 from layers.mlp import gelu_mul_gpu, gelu_tanh
-from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu
+from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu, router_input_gpu
 from model import SeqStep
 from policy import Question, Request, check_cost_table, r9
 from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
@@ -2908,8 +2908,12 @@ def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
     a, x, m, e = (up(rng.normal(0, sd, (T, n))) for sd in (3.0, 1.5, 0.7, 2.0))
     w = [up(rng.normal(1, 0.4, n)) for _ in range(4)]
     outs = [_rt_out(g, (T, n), RT_BF16) for _ in range(6)]
-    # after attention: fused vs rmsnorm(a, add=x) -> h, rmsnorm(h) -> xn, rmsnorm(h) -> e_in
-    post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], *outs[:3], RT_EPS)
+    # after attention: fused vs rmsnorm(a, add=x) -> h, rmsnorm(h) -> xn, rmsnorm(h) -> e_in, and the router's
+    # input r (where router_input_gpu runs: n % 8 == 0, n <= 8192) vs router_input_gpu(h)
+    routed = n % 8 == 0 and n <= 8192
+    r_scale, r_fused, r_alone = up(rng.uniform(0.5, 2.0, n)), _rt_out(g, (T, n), RT_BF16), _rt_out(g, (T, n), RT_BF16)
+    post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], *outs[:3], RT_EPS,
+                        router=(r_fused, r_scale, n ** -0.5) if routed else None)
     h, xn, e_in = outs[3:]
     rmsnorm_gpu(g, a, w[0], h, RT_EPS, add=x)
     rmsnorm_gpu(g, h, w[1], xn, RT_EPS)
@@ -2917,6 +2921,18 @@ def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
     for f, s in zip(outs[:3], outs[3:]):
         got = g.download(f)
         assert np.isfinite(got.astype(np.float32)).all() and got.tobytes() == g.download(s).tobytes()
+    if routed:
+        router_input_gpu(g, h, r_scale, r_alone, RT_EPS, n ** -0.5)
+        got = g.download(r_fused)
+        assert np.isfinite(got.astype(np.float32)).all() and got.tobytes() == g.download(r_alone).tobytes()
+        h64 = g.download(h).astype(np.float64)                  # r vs float64 with the bf16 roundings
+        ref = _rt_bf16(_rt_bf16(h64 / np.sqrt((h64 ** 2).mean(-1, keepdims=True) + RT_EPS))
+                       * g.download(r_scale).astype(np.float64)).astype(np.float64) * n ** -0.5
+        _rt_report(f"router input T={T} n={n}", got, ref)
+        assert (np.abs(got.astype(np.float64) - ref) <= 2 * _rt_ulp(ref)).all()
+    else:
+        with pytest.raises(ValueError, match="router_input_gpu"):
+            router_input_gpu(g, h, r_scale, r_alone, RT_EPS, n ** -0.5)
     # after the MLP and experts: fused (with and without the next layer's input norm) vs the chain
     for nxt in (None, w[3]):
         fx, fxn, sx, m1, sxn = (_rt_out(g, (T, n), RT_BF16) for _ in range(5))
@@ -3963,11 +3979,14 @@ class Deq:
         return self.cache[e]
 
 
-def ref_experts(y, weights, idx, deq, round_u=False):
+def ref_experts(y, weights, idx, deq, round_u=False, flips=False):
     """moe.experts (experts in index order, contributions added in that order) with lazily dequantized weights,
     float64; round_u: the bf16 intermediates the kernels (and transformers) store, u = gelu(gate)*up and each
-    slot's o*w, rounded to bf16 (everything else float64)."""
+    slot's o*w, rounded to bf16 (everything else float64). flips: also return, per output element, one bf16 ulp
+    of its largest slot |o*w|: what rounding that slot the other way changes (a slot within fp32 noise of a bf16
+    midpoint rounds either way in any fp32 computation; see compare)."""
     out = np.zeros(y.shape, np.float64)
+    omax = np.zeros(y.shape, np.float64)
     for e in np.unique(idx):
         tok, slot = np.nonzero(idx == e)
         gate, up, down = deq(int(e))
@@ -3975,9 +3994,12 @@ def ref_experts(y, weights, idx, deq, round_u=False):
         if round_u:
             u = u.astype(np.float32).astype(BF16).astype(np.float64)
         o = (u @ down.T) * weights[tok, slot, None].astype(np.float64)
+        np.maximum.at(omax, tok, np.abs(o))
         if round_u:
             o = o.astype(np.float32).astype(BF16).astype(np.float64)
         np.add.at(out, tok, o)
+    if flips:
+        return out, np.where(omax > 0, 2.0 ** (np.floor(np.log2(np.maximum(omax, 1e-300))) - 7), 0.0)
     return out
 
 
@@ -4013,7 +4035,14 @@ def run_moe(g, ex, x, w, idx, poison=True):
 
 def compare(name, got, ref, rtol=1e-2, loose=False):
     """max |got - ref| / (|ref| + rms(ref)) < rtol. loose (vs the unrounded float64 oracle, where the bf16
-    intermediates u and o*w add ~2^-9 of each slot's magnitude): max error / rms(ref) < 0.1 instead."""
+    intermediates u and o*w add ~2^-9 of each slot's magnitude): max error / rms(ref) < 0.1 instead.
+    ref = (values, flip) from ref_experts(flips=True): an element may also miss by rtol * (|ref| + rms) + flip,
+    i.e. one slot rounded to the other bf16 neighbour (at T=300 one slot of |o| ~ 9.47 sits 1e-6 from a bf16
+    midpoint: the old CUDA-core kernels, exact float64 dot products and the tensor-core kernels all round it
+    the other way from the reference; the count of such elements is printed)."""
+    flip = None
+    if isinstance(ref, tuple):
+        ref, flip = ref
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all(), f"{name}: non-finite output (poison survived?)"
     err = np.abs(got - ref)
@@ -4023,8 +4052,13 @@ def compare(name, got, ref, rtol=1e-2, loose=False):
           f"max abs/rms {err.max() / scale:.3e}")
     if loose:
         assert err.max() / scale < 0.1, f"{name}: max error / rms {err.max() / scale:.3e}"
-    else:
+    elif flip is None:
         assert rel.max() < rtol, f"{name}: max rel error {rel.max():.3e}"
+    else:
+        over = rel >= rtol
+        print(f"  {int(over.sum())} of {over.size} elements over rtol, each within one slot flip: "
+              f"{bool((err[over] <= rtol * (np.abs(ref[over]) + scale) + flip[over]).all())}")
+        assert (err <= rtol * (np.abs(ref) + scale) + flip).all() and over.mean() < 1e-4, f"{name}: {rel.max():.3e}"
 
 
 # --- grouping -------------------------------------------------------------------------------------------
@@ -4036,19 +4070,24 @@ def test_gpu_group(g, T, E, k):
     _, idx = make_routing(T, E, k, rng, pool=np.arange(0, E, 3) if E > 16 else None, hot=E - 1)
     P = T * k
     ws = moe.moe_workspace(g, T, E, k, 16, 16)
-    for a in (ws["perm"], ws["offsets"], ws["active"], ws["n_active"]):
+    for a in (ws["perm"], ws["offsets"], ws["active"], ws["n_active"], ws["tiles"], ws["n_tiles"]):
         g.fill(a, 0xFF)
-    di = g.upload(idx)
-    g.launch(g.module("moe").function("moe_group"), grid=(1,), block=(1024,),
-             args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]])
+    di, TS = g.upload(idx), 8
+    g.launch(g.module("moe").function("moe_group_tiles"), grid=(1,), block=(1024,),
+             args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], TS, ws["tiles"], ws["n_tiles"]])
     flat = idx.reshape(-1)
     order = np.argsort(flat, kind="stable")
     counts = np.bincount(flat, minlength=E)
     act = np.nonzero(counts)[0]
     assert np.array_equal(g.download(ws["perm"]), order)
-    assert np.array_equal(g.download(ws["offsets"]), np.concatenate([[0], np.cumsum(counts)]))
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    assert np.array_equal(g.download(ws["offsets"]), offsets)
     n = int(g.download(ws["n_active"])[0])
     assert n == len(act) and np.array_equal(g.download(ws["active"])[:n], act)
+    # tiles: each active expert's group cut into runs of TS grouped positions, in expert order
+    tiles = [(e, int(offsets[e]) + q, min(TS, int(counts[e]) - q), 0) for e in act for q in range(0, counts[e], TS)]
+    nt = int(g.download(ws["n_tiles"])[0])
+    assert nt == len(tiles) and [tuple(r) for r in g.download(ws["tiles"])[:nt]] == tiles
 
 
 # --- router ---------------------------------------------------------------------------------------------
@@ -4135,7 +4174,8 @@ def test_gpu_experts_real(g, real, T):
     x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])) * rng.uniform(0.3, 3, (T, 1)))
     w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL, hot=5)
     got = run_moe(g, ex, x, w, idx)
-    compare(f"experts real T={T} vs f64 (u rounded)", got, ref_experts(x.astype(np.float64), w, idx, deq, True))
+    compare(f"experts real T={T} vs f64 (u rounded)", got,
+            ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
     compare(f"experts real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
 
 
@@ -4210,66 +4250,35 @@ def test_gpu_moe_with_router(g, real):
     compare("moe with router T=5", g.download(out1), ref_experts(x.astype(np.float64), w, idx, deq, True))
 
 
+
 @needs_gpu
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_timing(g, real, T):
-    ck, ex, deq = real
-    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
-    rng = np.random.default_rng(77)
-    x = bf(rng.normal(0, 1, (T, H)))
-    w, idx = make_routing(T, E, k, rng)                          # random over all 128 experts
-    ws = moe.moe_workspace(g, T, E, k, H, I)
-    dx, dw, di, out = g.upload(x), g.upload(w), g.upload(idx), g.empty((T, H), BF16)
-    for _ in range(3):
-        moe.moe_gpu(g, dx, None, dw, di, ex, out, ws)
-    g.sync()
-    n = 50
-    ev0, ev1 = g.event(), g.event()
-    g.record(ev0)
-    for _ in range(n):
-        moe.moe_gpu(g, dx, None, dw, di, ex, out, ws)
-    g.record(ev1)
-    ms = g.elapsed_ms(ev0, ev1) / n
-    act = len(np.unique(idx))
-    nbytes = moe.moe_bytes(act, H, I)
-    print(f"moe T={T}: {act} experts, {nbytes / 1e6:.2f} MB weights, {ms * 1e3:.1f} us/call "
-          f"({nbytes / ms / 1e6:.0f} GB/s; 3.5 TB/s would be {nbytes / 3.5e12 * 1e6:.1f} us)")
-    # per kernel, by graph-free single launches
-    m = g.module("moe")
-    P = T * k
-    gy = min(E, P)
-    steps = {
-        "group": lambda: g.launch(m.function("moe_group"), grid=(1,), block=(1024,),
-                                  args=[di, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]]),
-        "gate_up": lambda: g.launch(m.function("moe_gate_up_nvfp4" + moe._VARIANT[moe._cap(T, H)]), grid=((I + 7) // 8, gy), block=(128,),
-                                    args=[dx, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ex["gw"],
-                                          ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k,
-                                          moe._cap(T, H)], shared=moe._cap(T, H) * H * 2),
-        "down": lambda: g.launch(m.function("moe_down_nvfp4" + moe._VARIANT[moe._cap(T, I)]), grid=((H + 15) // 16, gy), block=(128,),
-                                 args=[ws["u"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ex["dw"],
-                                       ex["ds"], ex["gsc"], dw, ws["o"], H, I, moe._cap(T, I)],
-                                 shared=moe._cap(T, I) * I * 2),
-        "combine": lambda: g.launch(m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
-                                    args=[ws["o"], di, out, T, H, k, E]),
-    }
-    for name, f in steps.items():
-        g.record(ev0)
-        for _ in range(n):
-            f()
-        g.record(ev1)
-        print(f"  {name}: {g.elapsed_ms(ev0, ev1) / n * 1e3:.1f} us")
-    # router
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_gpu_router_timing(g, T):
+    """router.cu's one launch (logits + top-k) at the real shapes over a ready router input r, graph-replayed;
+    printed for BENCHMARKS.md, not asserted."""
+    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
+    rng = np.random.default_rng(78)
     router = moe.upload_router(g, bf(rng.normal(0, 1, (E, H))).astype(np.float32), np.ones(H, np.float32),
                                np.ones(E, np.float32))
-    dh = g.upload(x)
-    g.record(ev0)
+    ws = moe.moe_workspace(g, T, E, k, H, 16)
+    dh, dw, di = g.upload(bf(rng.normal(0, 1, (T, H)))), g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    r = g.view(ws["r"], 0, (T, H), BF16)
+    moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)          # makes r
+    n = 200
+    g.capture_begin()
     for _ in range(n):
-        moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
+        moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)
+    graph = g.capture_end()
+    graph.replay()
+    ev0, ev1 = g.event(), g.event()
+    g.record(ev0)
+    graph.replay()
     g.record(ev1)
-    print(f"  router: {g.elapsed_ms(ev0, ev1) / n * 1e3:.1f} us ({E * H * 2 / 1e6:.2f} MB)")
-    t0 = time.perf_counter()
-    g.sync()
-    assert time.perf_counter() - t0 < 60
+    us = g.elapsed_ms(ev0, ev1) / n * 1e3
+    graph.close()
+    print(f"router T={T}: {us:.2f} us/call (one launch; proj {E * H * 2 / 1e6:.2f} MB -> "
+          f"{E * H * 2 / us / 1e3:.0f} GB/s)")
+    assert np.isin(g.download(di), np.arange(E)).all()
 
 # ====================================================================================================
 # === GPU decode graphs ===
@@ -5067,7 +5076,7 @@ def test_kernel_table_and_hook():
     assert bench.kernel_figures(object()) == {}
 
 
-def test_compare():
+def test_bench_compare_ratios():
     ratios, table = bench.compare({"decode_b1": 200.0, "peer_decode_b1": 20.0, "weights_gib": 15.0,
                                    "peer_weights_gib": 47.0, "prefill_2k": 2400.0})
     assert ratios == {"ratio_decode_b1": 10.0, "ratio_weights_gib": round(15 / 47, 3)}
@@ -5155,3 +5164,231 @@ def test_cli_failed_part_is_reported_in_the_json(tmp_path):
     assert p.returncode == 1
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert "server" in r["errors"] and "exited with" in r["errors"]["server"] and "log tail" in r["errors"]["server"]
+
+
+# ====================================================================================================
+# === GPU MoE on tensor cores: every launch path byte-identical, accuracy, invariance, timings ===
+# ====================================================================================================
+# --- GPU MoE v2 (tensor-core NVFP4 experts: kernels_ptx/moe.cu moe_gate_up_direct / moe_down_combine_direct /
+# moe_group_tiles / moe_gate_up_mma_n* / moe_down_mma_n*, launchers in layers/moe.py) against the float64 reference of
+# the dequantized weights, byte identity across T / paths / tile widths / batch composition, and timing.
+# Fixtures and helpers come from test_span02.py (the MoE section).
+
+
+def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
+    """One moe_gpu call on fresh, poisoned buffers -> out (T, H) bf16 on the host."""
+    T, H = x.shape
+    k = idx.shape[1]
+    ws = moe.moe_workspace(g, T, ex["E"], k, H, ex["I"])
+    out = g.empty((T, H), BF16)
+    if poison:
+        for name in ("u", "o", "perm", "offsets", "active", "n_active", "tiles", "n_tiles"):
+            g.fill(ws[name], 0xFF)
+        g.fill(out, 0xFF)
+    dx, dw, di = g.upload(x), g.upload(w), g.upload(idx)
+    moe.moe_gpu(g, dx, None, dw, di, ex, out, ws, path=path, nt=nt)
+    res = g.download(out)
+    for a in [out, dx, dw, di] + [v for v in ws.values() if isinstance(v, gpu.DeviceArray)]:
+        g.free(a)
+    return res
+
+
+def all_paths(g, ex, x, w, idx):
+    """{label: out} for the auto choice, the direct path and every grouped tile width."""
+    res = {"auto": run2(g, ex, x, w, idx), "direct": run2(g, ex, x, w, idx, path="direct")}
+    for nt in moe._NT_CHOICES:
+        res[f"grouped_n{nt}"] = run2(g, ex, x, w, idx, path="grouped", nt=nt)
+    return res
+
+
+def assert_same(res, name):
+    ref_label, ref = next(iter(res.items()))
+    for label, got in res.items():
+        assert got.tobytes() == ref.tobytes(), f"{name}: {label} != {ref_label} " \
+            f"(first diff row {np.nonzero((got.view(np.uint16) != ref.view(np.uint16)).any(-1))[0][:5]})"
+
+
+# --- accuracy at the real shapes, every launch path -----------------------------------------------------
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
+def test_gpu_moe2_real(g, real, T):
+    ck, ex, deq = real
+    rng = np.random.default_rng(2000 + T)
+    x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])) * rng.uniform(0.3, 3, (T, 1)))
+    w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL, hot=5)
+    res = all_paths(g, ex, x, w, idx)
+    assert_same(res, f"real T={T}")
+    got = res["auto"]
+    compare(f"moe2 real T={T} vs f64 (u, o rounded)", got,
+            ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
+    compare(f"moe2 real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
+
+
+# --- odd small shapes: K % 32 != 0 (8-byte weight loads, partial super units), partial CTA row tiles ---------
+
+@needs_gpu
+@pytest.mark.parametrize("T,shape", [(1, SMALL), (3, SMALL), (17, SMALL), (40, SMALL),
+                                     (9, dict(E=5, k=3, H=80, I=48)), (1, dict(E=5, k=3, H=80, I=48)),
+                                     (33, dict(E=6, k=2, H=144, I=16)), (5, dict(E=4, k=4, H=16, I=208))])
+def test_gpu_moe2_small(g, T, shape):
+    E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
+    ck = make_experts(E, H, I, seed=11 + H + I, modelopt_odd=True)
+    ex = moe.upload_experts(g, ck, "model.language_model.layers.3.", E, H, I)
+    deq = Deq(ck)
+    rng = np.random.default_rng(T + H)
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng, hot=E - 1)
+    res = all_paths(g, ex, x, w, idx)
+    assert_same(res, f"small T={T} E={E} k={k} H={H} I={I}")
+    compare(f"moe2 small T={T} E={E} k={k} H={H} I={I} vs f64 (u, o rounded)", res["auto"],
+            ref_experts(x.astype(np.float64), w, idx, deq, True))
+    # the literal CPU oracle, moe.experts, on the fused (E, 2I, H) layout
+    gate_up = np.stack([np.concatenate(deq(e)[:2]) for e in range(E)])
+    down = np.stack([deq(e)[2] for e in range(E)])
+    compare(f"moe2 small T={T} vs moe.experts", res["auto"], moe.experts(x.astype(np.float64), w, idx, gate_up, down),
+            loose=True)
+
+
+@needs_gpu
+def test_gpu_moe2_invalid_experts(g):
+    """idx outside [0, E) is skipped by every path (the combine, the grouping and the direct kernels)."""
+    E, k, H, I = SMALL["E"], SMALL["k"], SMALL["H"], SMALL["I"]
+    ck = make_experts(E, H, I, seed=5)
+    ex = moe.upload_experts(g, ck, "model.language_model.layers.3.", E, H, I)
+    rng = np.random.default_rng(3)
+    T = 6
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng)
+    bad = idx.copy()
+    bad[1, 0], bad[4, 1] = -1, E
+    res = all_paths(g, ex, x, w, bad)
+    assert_same(res, "invalid experts")
+    ref = ref_experts(x.astype(np.float64), np.where((bad >= 0) & (bad < E), w, 0).astype(np.float32),
+                      np.where((bad >= 0) & (bad < E), bad, 0), Deq(ck), True)
+    compare("moe2 invalid experts dropped", res["auto"], ref)
+
+
+# --- bit identity: a row alone, in batches of any size, on any path ------------------------------------------
+
+@needs_gpu
+def test_gpu_moe2_batch_invariance(g, real):
+    ck, ex, deq = real
+    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
+    rng = np.random.default_rng(4242)
+    T = 300
+    x = bf(rng.normal(0, 1, (T, H)) * rng.uniform(0.3, 3, (T, 1)))
+    w, idx = make_routing(T, E, k, rng, pool=POOL[:12], hot=5)      # big shared groups: many tiles per expert
+    # experts that exactly one token uses (1, 2, 3 are not in POOL)
+    for t, e, s in ((0, 1, 0), (13, 2, 3), (299, 3, 7)):
+        idx[t, s] = e
+    assert all(len(set(r)) == k for r in idx)
+    full = run2(g, ex, x, w, idx)                                     # grouped, auto nt
+    for nt in moe._NT_CHOICES:
+        assert run2(g, ex, x, w, idx, path="grouped", nt=nt).tobytes() == full.tobytes(), f"T=300 nt={nt}"
+    assert run2(g, ex, x, w, idx, path="direct").tobytes() == full.tobytes(), "T=300 direct"
+    for t in (0, 1, 13, 150, 299):
+        alone = run2(g, ex, x[t:t + 1], w[t:t + 1], idx[t:t + 1])     # direct path
+        assert alone.tobytes() == full[t:t + 1].tobytes(), f"token {t}: alone != in batch of {T}"
+        alone_g = run2(g, ex, x[t:t + 1], w[t:t + 1], idx[t:t + 1], path="grouped")
+        assert alone_g.tobytes() == full[t:t + 1].tobytes(), f"token {t}: alone (grouped) != in batch"
+    for lo, hi in ((0, 7), (5, 12), (10, 74), (236, 300), (100, 103)):
+        part = run2(g, ex, x[lo:hi], w[lo:hi], idx[lo:hi])
+        assert part.tobytes() == full[lo:hi].tobytes(), f"rows {lo}:{hi}: sub-batch != full batch"
+    # a permuted batch: each row's bytes follow the row
+    perm = rng.permutation(T)
+    shuf = run2(g, ex, x[perm], w[perm], idx[perm])
+    assert shuf.tobytes() == full[perm].tobytes(), "permuted batch"
+    compare("moe2 invariance batch vs f64 (u, o rounded)", full,
+            ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
+
+
+@needs_gpu
+def test_gpu_moe2_prefill_invariance(g, real):
+    """T=2048 (grouped, nt=8 auto, experts with up to ~2000 tokens): rows equal the same rows alone / in a chunk,
+    and a sample of rows matches the f64 reference."""
+    ck, ex, deq = real
+    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
+    rng = np.random.default_rng(77)
+    T = 2048
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng, pool=POOL, hot=5)
+    full = run2(g, ex, x, w, idx)
+    for t in (0, 777, 2047):
+        assert run2(g, ex, x[t:t + 1], w[t:t + 1], idx[t:t + 1]).tobytes() == full[t:t + 1].tobytes(), f"token {t}"
+    lo, hi = 512, 1024                                               # a prefill chunk
+    assert run2(g, ex, x[lo:hi], w[lo:hi], idx[lo:hi]).tobytes() == full[lo:hi].tobytes(), "chunk 512:1024"
+    rows = np.sort(rng.choice(T, 24, replace=False))
+    compare("moe2 T=2048 sample rows vs f64 (u, o rounded)", full[rows],
+            ref_experts(x[rows].astype(np.float64), w[rows], idx[rows], deq, True))
+
+
+@needs_gpu
+def test_gpu_moe2_graph_replay(g, real):
+    """The launches capture into a graph (fixed grid per T) and replay to the same bytes."""
+    ck, ex, deq = real
+    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
+    rng = np.random.default_rng(5)
+    for T in (1, 16):
+        x = bf(rng.normal(0, 1, (T, H)))
+        w, idx = make_routing(T, E, k, rng)
+        ws = moe.moe_workspace(g, T, E, k, H, I)
+        dx, dw, di, out = g.upload(x), g.upload(w), g.upload(idx), g.empty((T, H), BF16)
+        g.fill(out, 0xFF)
+        g.capture_begin()
+        moe.moe_gpu(g, dx, None, dw, di, ex, out, ws)
+        graph = g.capture_end()
+        graph.replay()
+        g.sync()
+        assert g.download(out).tobytes() == run2(g, ex, x, w, idx).tobytes(), f"graph T={T}"
+
+
+# --- timing -------------------------------------------------------------------------------------------------
+
+def _time_graph(g, fn, n):
+    fn()                                  # eager first: any shared-memory opt-in happens outside the capture
+    g.sync()
+    g.capture_begin()
+    fn()
+    graph = g.capture_end()
+    graph.replay()
+    g.sync()
+    ev0, ev1 = g.event(), g.event()
+    g.record(ev0)
+    for _ in range(n):
+        graph.replay()
+    g.record(ev1)
+    return g.elapsed_ms(ev0, ev1) / n
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 64, 256, 2048])
+def test_gpu_moe2_timing(g, real, T):
+    """Graph-replayed time of the expert part (router excluded) at the real shapes, random routing over all 128
+    experts; per-launch times from one-kernel graphs; GB/s over moe_bytes(active experts), TFLOP/s over
+    2*T*k*3*I*H. Also the other path (direct vs grouped) for comparison at small T."""
+    ck, ex, deq = real
+    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
+    rng = np.random.default_rng(700 + T)
+    x = bf(rng.normal(0, 1, (T, H)))
+    w, idx = make_routing(T, E, k, rng)
+    ws = moe.moe_workspace(g, T, E, k, H, I)
+    dx, dw, di, out = g.upload(x), g.upload(w), g.upload(idx), g.empty((T, H), BF16)
+    act = len(np.unique(idx))
+    nbytes = moe.moe_bytes(act, H, I)
+    flop = 2.0 * T * k * 3 * I * H
+    n = 20 if T >= 1024 else 100
+    paths = [None] + (["grouped"] if T <= moe.DIRECT_MAX_T else ["direct"] if T <= 16 else [])
+    for path in paths:
+        plan = moe._plan(g, dx, dw, di, ex, out, ws, T, k, path)
+        ms = _time_graph(g, lambda: [f() for _, f in plan], n)
+        label = path or "auto"
+        print(f"moe2 T={T} [{label}: {', '.join(nm for nm, _ in plan)}]: {act} experts, {nbytes / 1e6:.1f} MB, "
+              f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, {flop / ms / 1e9:.1f} TFLOP/s; "
+              f"4.2 TB/s floor {nbytes / 4.2e12 * 1e6:.1f} us)")
+        for name, f in plan:
+            print(f"    {name}: {_time_graph(g, f, n) * 1e3:.1f} us")
+    g.sync()
+    t0 = time.perf_counter()
+    g.sync()
+    assert time.perf_counter() - t0 < 60

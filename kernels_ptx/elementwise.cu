@@ -202,11 +202,22 @@ __device__ __forceinline__ void norm8(const float* f, float inv, const bf16* w, 
 
 __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
 
+// r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
+// each product rounded as transformers' bf16 model does); kernels_ptx/router.cu takes it from here.
+__device__ __forceinline__ void router_row8(const float* f, float inv, const bf16* scale, float root, bf16* r) {
+    float sf[8], y[8];
+    load_bf16<8>(scale, sf);
+#pragma unroll
+    for (int j = 0; j < 8; j++) y[j] = round_bf16(round_bf16(f[j] * inv) * sf[j]) * root;
+    store_bf16<8>(r, y);
+}
+
 extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __restrict__ xn,
                                                 bf16* __restrict__ e_in, const bf16* __restrict__ a,
                                                 const bf16* __restrict__ x, const bf16* __restrict__ w_pa,
                                                 const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
-                                                int n, float eps) {
+                                                int n, float eps, bf16* __restrict__ r,
+                                                const bf16* __restrict__ r_scale, float root) {
     pdl_trigger();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
@@ -229,7 +240,23 @@ extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __re
         store_bf16<8>(xn + row + c, y);
         norm8(hv, inv_h, w_pf2 + c, y);
         store_bf16<8>(e_in + row + c, y);
+        if (r) router_row8(hv, inv_h, r_scale + c, root, r + row + c);
     }
+}
+
+// router_input_bf16: r alone from h (T, n): the bytes post_attn_norms_bf16 gives for the same h (same layout,
+// sums and inv). grid (T), block TPR (one 8-vector per thread).
+extern "C" __global__ void router_input_bf16(bf16* __restrict__ r, const bf16* __restrict__ h,
+                                             const bf16* __restrict__ r_scale, int n, float eps, float root) {
+    __shared__ float sums[32];
+    pdl_trigger();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
+    const bool own = c < n;
+    const size_t row = (size_t)blockIdx.x * n;
+    float f[8];
+    if (own) load_bf16<8>(h + row + c, f);
+    const float inv = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums, warps, lane), n, eps);
+    if (own) router_row8(f, inv, r_scale + c, root, r + row + c);
 }
 
 extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,

@@ -1,16 +1,18 @@
-// MoE block kernels (Gemma-4 26B-A4B): router, grouping of (token, slot) pairs by expert, NVFP4 experts
-// (gate/up with gated GELU, down scaled by the routing weight) and a deterministic combine.
-// bf16 activations, fp32 accumulation, NVFP4 weights decoded in registers (checkpoint.md sections 2 and 6).
+// MoE block kernels (Gemma-4 26B-A4B): grouping of (token, slot) pairs by expert, the NVFP4 experts on tensor
+// cores (gate/up with gated GELU, down scaled by the routing weight) and a deterministic combine. The router is
+// router.cu. bf16 activations, NVFP4 weights decoded exactly to bf16 mma operands in registers (checkpoint.md
+// sections 2 and 6), fp32 accumulation.
 //
 // Shapes (same letters as Python): T tokens, H hidden, E experts, k top-k, P = T*k (token, slot) pairs,
 // I expert intermediate. A pair p = t*k + s is token t's slot s.
 //
-// Expert kernels come in token-tile-cap variants (moe_gate_up_nvfp4[_c4|_c2|_c1], moe_down_nvfp4[...]) that
-// differ only in registers; the launcher picks by min(8, T).
+// Two launch paths with ONE per-output arithmetic (layers/moe.py picks by T): direct (small T:
+// moe_gate_up_direct -> moe_down_combine_direct) and grouped (moe_group_tiles -> moe_gate_up_mma_n* ->
+// moe_down_mma_n* -> moe_combine_bf16, n* = token-tile width).
 //
-// Determinism: every output element has a fixed reduction order that depends only on K (the in-feature
-// count) and the lane layout, never on T, on the group sizes or on which tokens share an expert; no float
-// atomics anywhere. A row's bytes are identical alone or inside any batch.
+// Determinism: every output element has a fixed reduction order that depends only on K (128-column K blocks,
+// each a fresh mma chain, added in fp32 in increasing order) and never on T, on the group sizes or on which
+// tokens share an expert; no float atomics anywhere. A row's bytes are identical alone or inside any batch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -19,167 +21,6 @@ typedef __nv_bfloat16 bf16;
 
 #define FULL 0xffffffffu
 
-__device__ __forceinline__ float bf16_bits_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_bits_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-    // butterfly: at each level both partners add the same two values (a+b == b+a bitwise),
-    // so every lane ends with the same, layout-fixed sum.
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
-    return v;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Router, part 1: logits (T, E) fp32.
-//   r = bf16(bf16(bf16(h * rsqrt(mean(h^2) + eps)) * scale) * H^-0.5)   (the roundings transformers does
-//   in a bf16 model: no-scale norm computed in fp32 and cast back, then two bf16 elementwise products)
-//   logits[t, e] = sum_j r[t, j] * proj[e, j]   fp32, fixed order (lane-strided 8-column chunks, then a
-//   butterfly), NOT rounded to bf16 (bf16 logits would create exact ties in the top-k).
-// grid (ceil(T/RT), ceil(E/4)), block 128 = 4 warps; warp w of block (bx, by) computes expert by*4+w for the
-// RT tokens bx*RT.. ; dynamic shared: RT*H bf16 (the r rows). Needs H % 8 == 0.
-#define RT 4
-extern "C" __global__ void __launch_bounds__(128) router_logits_bf16(
-    const bf16* __restrict__ h,        // (T, H)
-    const bf16* __restrict__ proj,     // (E, H)
-    const bf16* __restrict__ scale,    // (H,)  router.scale
-    float* __restrict__ logits,        // (T, E)
-    int T, int H, int E, float eps, float root)
-{
-    extern __shared__ __align__(16) unsigned char smem_r[];
-    bf16* r = (bf16*)smem_r;                                   // (RT, H)
-    __shared__ float rinv[RT];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t0 = blockIdx.x * RT;
-
-    // 1. per token (warp w <-> token t0+w): 1/sqrt(mean(h^2) + eps), fixed order.
-    if (warp < RT) {
-        const int t = t0 + warp;
-        float s = 0.f;
-        if (t < T) {
-            const bf16* hr = h + (size_t)t * H;
-            for (int j = lane; j < H; j += 32) { float v = __bfloat162float(hr[j]); s = fmaf(v, v, s); }
-        }
-        s = warp_sum(s);
-        if (lane == 0) rinv[warp] = 1.0f / sqrtf(s / (float)H + eps);
-    }
-    __syncthreads();
-    // 2. r rows into shared (zeros for tokens past T).
-    for (int i = threadIdx.x; i < RT * H; i += blockDim.x) {
-        const int tt = i / H, j = i - tt * H, t = t0 + tt;
-        float v = 0.f;
-        if (t < T) {
-            v = round_bf16(__bfloat162float(h[(size_t)t * H + j]) * rinv[tt]);
-            v = round_bf16(v * __bfloat162float(scale[j]));
-            v = v * root;
-        }
-        r[i] = __float2bfloat16_rn(v);
-    }
-    __syncthreads();
-    // 3. one expert per warp: lane handles 8-column chunks c = lane, lane+32, ... (16-byte loads).
-    const int e = blockIdx.y * 4 + warp;
-    if (e >= E) return;
-    const bf16* pr = proj + (size_t)e * H;
-    float acc[RT];
-    #pragma unroll
-    for (int tt = 0; tt < RT; ++tt) acc[tt] = 0.f;
-    #pragma unroll 4
-    for (int c = lane; c < H / 8; c += 32) {                     // unrolled for loads in flight; order unchanged
-        const uint4 wv = __ldg((const uint4*)(pr + 8 * c));
-        const uint32_t wa[4] = {wv.x, wv.y, wv.z, wv.w};
-        #pragma unroll
-        for (int tt = 0; tt < RT; ++tt) {
-            const uint4 xv = *(const uint4*)(r + tt * H + 8 * c);
-            const uint32_t xa[4] = {xv.x, xv.y, xv.z, xv.w};
-            #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                acc[tt] = fmaf(bf16_bits_lo(wa[q]), bf16_bits_lo(xa[q]), acc[tt]);
-                acc[tt] = fmaf(bf16_bits_hi(wa[q]), bf16_bits_hi(xa[q]), acc[tt]);
-            }
-        }
-    }
-    #pragma unroll
-    for (int tt = 0; tt < RT; ++tt) {
-        const float v = warp_sum(acc[tt]);
-        if (lane == 0 && t0 + tt < T) logits[(size_t)(t0 + tt) * E + e] = v;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Router, part 2: softmax over all E (fp32), top-k (descending; ties -> lower expert index, as numpy's stable
-// argsort of -p), renormalise over the k, times per_expert_scale[idx].
-// grid ceil(T/4), block 128: one warp per token. E <= 256 (lane holds experts lane + 32*i), k <= 16.
-#define RK_MAXE 8
-#define RK_MAXK 16
-extern "C" __global__ void __launch_bounds__(128) router_topk_f32(
-    const float* __restrict__ logits,  // (T, E)
-    const float* __restrict__ pes,     // (E,)  router.per_expert_scale
-    float* __restrict__ weights,       // (T, k)
-    int* __restrict__ idx,             // (T, k)
-    int T, int E, int k)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t = blockIdx.x * 4 + warp;
-    if (t >= T) return;
-    const float* lg = logits + (size_t)t * E;
-    float v[RK_MAXE];
-    float m = -INFINITY;
-    #pragma unroll
-    for (int i = 0; i < RK_MAXE; ++i) {
-        const int e = lane + 32 * i;
-        v[i] = e < E ? lg[e] : -INFINITY;
-        m = fmaxf(m, v[i]);
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
-    float s = 0.f;
-    #pragma unroll
-    for (int i = 0; i < RK_MAXE; ++i) {
-        const int e = lane + 32 * i;
-        v[i] = e < E ? expf(v[i] - m) : 0.f;
-        s += v[i];
-    }
-    s = warp_sum(s);
-    #pragma unroll
-    for (int i = 0; i < RK_MAXE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent/taken
-
-    float topv[RK_MAXK];
-    int topi[RK_MAXK];
-    #pragma unroll
-    for (int j = 0; j < RK_MAXK; ++j) {
-        topv[j] = 0.f; topi[j] = 0;
-        if (j < k) {
-            // lane's best: largest p, lowest index on ties (i ascending == index ascending)
-            float bv = -2.f; int bi = 0x7fffffff;
-            #pragma unroll
-            for (int i = 0; i < RK_MAXE; ++i)
-                if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(FULL, bv, o);
-                const int oi = __shfl_xor_sync(FULL, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-            }
-            topv[j] = bv; topi[j] = bi;
-            #pragma unroll
-            for (int i = 0; i < RK_MAXE; ++i)
-                if (lane + 32 * i == bi) v[i] = -1.f;
-        }
-    }
-    if (lane == 0) {
-        float sum = 0.f;
-        #pragma unroll
-        for (int j = 0; j < RK_MAXK; ++j) if (j < k) sum += topv[j];       // slot order 0..k-1
-        #pragma unroll
-        for (int j = 0; j < RK_MAXK; ++j)
-            if (j < k) {
-                weights[(size_t)t * k + j] = (topv[j] / sum) * pes[topi[j]];
-                idx[(size_t)t * k + j] = topi[j];
-            }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Grouping: counting sort of the P = T*k pairs by expert, stable (pair order p = t*k+s, so by token within an
 // expert). Outputs: offsets (E+1) (group e = perm[offsets[e] .. offsets[e+1])), perm (P) pair indices,
@@ -187,14 +28,18 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(
 // Pairs whose expert is outside [0, E) are dropped (the combine skips them too).
 // One block of 1024 threads (32 warps); warp w owns pairs [w*seg, (w+1)*seg), seg = ceil(P/32); within a
 // warp, lanes with the same expert are found with __match_any_sync. Integer-only, deterministic. E <= 256.
+// Then each expert's group is cut into tiles of TS grouped positions for the grouped expert
+// kernels: tiles[i] = (e, q0, nq, 0) in expert order, n_tiles[0] = count (<= n_active + P/TS).
 #define G_MAXE 256
-extern "C" __global__ void __launch_bounds__(1024) moe_group(
+#define MAX_K 16         // top-k slots per token the combines handle
+__device__ __forceinline__ void group_body(
     const int* __restrict__ idx,       // (P,)
     int P, int E,
     int* __restrict__ offsets,         // (E+1,)
     int* __restrict__ perm,            // (P,)
     int* __restrict__ active,          // (E,)
-    int* __restrict__ n_active)        // (1,)
+    int* __restrict__ n_active,        // (1,)
+    int TS, int4* __restrict__ tiles, int* __restrict__ n_tiles)
 {
     __shared__ int hist[32][G_MAXE];     // per-warp counts, then per-warp start within the expert's group
     __shared__ int off[G_MAXE + 1];
@@ -266,95 +111,46 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group(
         }
         __syncwarp();
     }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// NVFP4 row dot products. Weight row r: packed bytes wr[r] (K/2), e4m3 block scales sr[r] (K/16).
-// Chunk c = 16 columns 16c..16c+15 = 8 packed bytes (two u32 words, low nibble = even column) + scale byte c.
-// Lane handles chunks c = lane, lane+32, ...; within a chunk columns in increasing order, one fp32 FMA each;
-// then a butterfly over lanes. The per-(row, token) order depends only on K: independent of TM / group size.
-// Decode: e2m1 magnitude -> f16 high byte via PRMT lookup (00 38 3C 3E 40 42 44 46), sign -> bit 15;
-// the block scale e4m3 -> f16 with cvt.rn.f16x2.e4m3x2 (exact); q*s in f16 is exact (checkpoint.md section 1),
-// then converted to fp32 and FMA'd with the bf16 activation (exact in fp32) into the fp32 accumulator.
-
-__device__ __forceinline__ __half2 e4m3_to_half2_lo(uint32_t byte) {
-    // scale byte in the low byte of a 16-bit pair -> f16x2 (low half = the scale); broadcast the low half
-    uint32_t out;
-    const unsigned short in = (unsigned short)(byte & 0xffu);
-    asm("{\n\t.reg .b16 a;\n\tmov.b16 a, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\t}" : "=r"(out) : "h"(in));
-    __half2 h2 = *reinterpret_cast<__half2*>(&out);
-    return __low2half2(h2);
-}
-
-// 4 codes (16 bits: nibbles n0..n3 of w >> 0..15) -> two f16x2: (n0, n1), (n2, n3)
-__device__ __forceinline__ void e2m1x4_to_half2(uint32_t w, __half2& a, __half2& b) {
-    const uint32_t bytes = __byte_perm(0x3E3C3800u, 0x46444240u, w & 0x7777u);  // lut[n0..n3] in bytes 0..3
-    uint32_t ab = __byte_perm(bytes, 0u, 0x1404u);     // [0, lut n0, 0, lut n1]
-    uint32_t bb = __byte_perm(bytes, 0u, 0x3424u);     // [0, lut n2, 0, lut n3]
-    ab |= ((w << 12) & 0x8000u) | ((w << 24) & 0x80000000u);   // sign of n0 (bit 3) -> 15, n1 (bit 7) -> 31
-    bb |= ((w << 4) & 0x8000u) | ((w << 16) & 0x80000000u);    // sign of n2 (bit 11) -> 15, n3 (bit 15) -> 31
-    a = *reinterpret_cast<__half2*>(&ab);
-    b = *reinterpret_cast<__half2*>(&bb);
-}
-
-// decode one chunk (16 values, exact) into float w16[16]
-__device__ __forceinline__ void nvfp4_chunk(uint2 packed, uint32_t sbyte, float* w16) {
-    const __half2 s = e4m3_to_half2_lo(sbyte);
-    const uint32_t words[2] = {packed.x, packed.y};
-    #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        __half2 p0, p1, p2, p3;
-        e2m1x4_to_half2(words[q], p0, p1);
-        e2m1x4_to_half2(words[q] >> 16, p2, p3);
-        const float2 f0 = __half22float2(__hmul2(p0, s));
-        const float2 f1 = __half22float2(__hmul2(p1, s));
-        const float2 f2 = __half22float2(__hmul2(p2, s));
-        const float2 f3 = __half22float2(__hmul2(p3, s));
-        w16[8 * q + 0] = f0.x; w16[8 * q + 1] = f0.y; w16[8 * q + 2] = f1.x; w16[8 * q + 3] = f1.y;
-        w16[8 * q + 4] = f2.x; w16[8 * q + 5] = f2.y; w16[8 * q + 6] = f3.x; w16[8 * q + 7] = f3.y;
-    }
-}
-
-// acc[r][t] = sum_j W_r[j] * xs[t][j] (before the global scale), R rows, TM activation rows in shared
-// (xs: TM rows of K bf16, 32-byte aligned rows since K % 16 == 0).
-template <int R, int TM>
-__device__ __forceinline__ void nvfp4_dot(const uint8_t* const (&wr)[R], const uint8_t* const (&sr)[R],
-                                          const bf16* xs, int K, int lane, float (&acc)[R][TM]) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int t = 0; t < TM; ++t) acc[r][t] = 0.f;
-    const int nc = K >> 4;
-    for (int c = lane; c < nc; c += 32) {
-        uint2 pk[R]; uint32_t sb[R];
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            pk[r] = __ldg((const uint2*)(wr[r] + 8 * c));
-            sb[r] = __ldg(sr[r] + c);
-        }
-        #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float w16[16];
-            nvfp4_chunk(pk[r], sb[r], w16);
+    {                                                    // the tiles
+        __shared__ int tbase[G_MAXE];
+        // tile counts per expert, exclusive scan (warp 0, lane owns experts 8*lane .. 8*lane+7)
+        if (warp == 0) {
+            int nt[8], sum = 0;
             #pragma unroll
-            for (int t = 0; t < TM; ++t) {
-                const uint4* xp = (const uint4*)(xs + (size_t)t * K + 16 * c);
-                const uint4 xa = xp[0], xb = xp[1];
-                const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-                float a = acc[r][t];
-                #pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    a = fmaf(w16[2 * q], bf16_bits_lo(xw[q]), a);
-                    a = fmaf(w16[2 * q + 1], bf16_bits_hi(xw[q]), a);
-                }
-                acc[r][t] = a;
+            for (int i = 0; i < 8; ++i) {
+                const int e = 8 * lane + i;
+                nt[i] = e < E ? (off[e + 1] - off[e] + TS - 1) / TS : 0;
+                sum += nt[i];
             }
+            int incl = sum;
+            #pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int a = __shfl_up_sync(FULL, incl, o);
+                if (lane >= o) incl += a;
+            }
+            int run = incl - sum;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int e = 8 * lane + i;
+                if (e < E) tbase[e] = run;
+                run += nt[i];
+            }
+            if (lane == 31) n_tiles[0] = incl;
+        }
+        __syncthreads();
+        for (int e = warp; e < E; e += 32) {
+            const int c = off[e + 1] - off[e], nt = (c + TS - 1) / TS;
+            for (int i = lane; i < nt; i += 32)
+                tiles[tbase[e] + i] = make_int4(e, off[e] + i * TS, min(TS, c - i * TS), 0);
         }
     }
-    #pragma unroll
-    for (int r = 0; r < R; ++r)
-        #pragma unroll
-        for (int t = 0; t < TM; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_tiles(
+    const int* __restrict__ idx, int P, int E, int* __restrict__ offsets, int* __restrict__ perm,
+    int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
+    int* __restrict__ n_tiles) {
+    group_body(idx, P, E, offsets, perm, active, n_active, TS, tiles, n_tiles);
 }
 
 // global scale, per expert per projection: gsc[(e*3 + proj)*2 + {0,1}] = (mult, div);
@@ -370,188 +166,6 @@ __device__ __forceinline__ float gelu_tanh_f(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// gate/up: for each grouped position q of expert e (pair p = perm[q], token t = p / k):
-//   u[q, n] = bf16( gelu_tanh(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up) )   fp32 math, one rounding.
-// grid (ceil(I/8), min(E, P)), block 128: block (bx, j) handles expert active[j] (exits if j >= n_active),
-// outputs n = 8*bx + 2*warp + {0,1}; it walks the expert's group in token tiles of 8/4/2/1 (tm <= cap), the
-// tile's x rows staged in dynamic shared memory (cap * H bf16). Needs H % 16 == 0.
-template <int TM>
-__device__ __forceinline__ void gate_up_tile(const bf16* xs, int q0, int n0, int n1, int I, int H, int lane,
-                                             const uint8_t* const (&wr)[4], const uint8_t* const (&sr)[4],
-                                             const float* gg, const float* gu, bf16* u) {
-    float acc[4][TM];
-    nvfp4_dot<4, TM>(wr, sr, xs, H, lane, acc);
-    #pragma unroll
-    for (int t = 0; t < TM; ++t) {
-        if (lane == t) {
-            const float g0 = apply_global(acc[0][t], gg), g1 = apply_global(acc[1][t], gg);
-            const float u0 = apply_global(acc[2][t], gu), u1 = apply_global(acc[3][t], gu);
-            bf16* row = u + (size_t)(q0 + t) * I;
-            row[n0] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(g0), u0));
-            if (n1 != n0) row[n1] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(g1), u1));
-        }
-    }
-}
-
-template <int CAP>
-__device__ __forceinline__ void gate_up_body(
-    const bf16* __restrict__ x,          // (T, H) pre_feedforward_layernorm_2(h)
-    const int* __restrict__ offsets,     // (E+1,)
-    const int* __restrict__ perm,        // (P,)
-    const int* __restrict__ active,      // (E,)
-    const int* __restrict__ n_active,    // (1,)
-    const uint8_t* __restrict__ gw,      // (E, I, H/2)  gate packed
-    const uint8_t* __restrict__ gs,      // (E, I, H/16) gate e4m3 scales
-    const uint8_t* __restrict__ uw,      // (E, I, H/2)  up packed
-    const uint8_t* __restrict__ us,      // (E, I, H/16) up scales
-    const float* __restrict__ gsc,       // (E, 3, 2) (mult, div) for gate, up, down
-    bf16* __restrict__ u,                // (P, I) grouped order
-    int H, int I, int k, int cap)
-{
-    cap = min(cap, CAP);
-    extern __shared__ __align__(16) unsigned char smem_gu[];
-    bf16* xs = (bf16*)smem_gu;                                  // (cap, H)
-    const int j = blockIdx.y;
-    if (j >= n_active[0]) return;
-    const int e = active[j];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int n0 = blockIdx.x * 8 + 2 * warp, n1 = n0 + 1;
-    const bool live = n0 < I;
-    if (!live) n0 = I - 1;
-    if (n1 >= I) n1 = n0;
-    const size_t rb = (size_t)H / 2, sbz = (size_t)H / 16;
-    const size_t eo = (size_t)e * I;
-    const uint8_t* const wr[4] = {gw + (eo + n0) * rb, gw + (eo + n1) * rb, uw + (eo + n0) * rb, uw + (eo + n1) * rb};
-    const uint8_t* const sr[4] = {gs + (eo + n0) * sbz, gs + (eo + n1) * sbz, us + (eo + n0) * sbz, us + (eo + n1) * sbz};
-    const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
-    const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
-    const int qa = offsets[e], qb = offsets[e + 1];
-    for (int q0 = qa; q0 < qb;) {
-        const int rem = min(qb - q0, cap);
-        const int tm = rem >= 8 ? 8 : rem >= 4 ? 4 : rem >= 2 ? 2 : 1;
-        __syncthreads();                                         // previous tile's readers are done
-        // stage x rows of the tile: 16-byte copies, row t <- x[perm[q0+t] / k]
-        const int v16 = H / 8;
-        for (int i = threadIdx.x; i < tm * v16; i += blockDim.x) {
-            const int t = i / v16, c = i - t * v16;
-            const int tok = perm[q0 + t] / k;
-            ((uint4*)(xs + (size_t)t * H))[c] = ((const uint4*)(x + (size_t)tok * H))[c];
-        }
-        __syncthreads();
-        if (live) {
-            if (CAP >= 8 && tm == 8) gate_up_tile<(CAP >= 8 ? 8 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-            else if (CAP >= 4 && tm == 4) gate_up_tile<(CAP >= 4 ? 4 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-            else if (CAP >= 2 && tm == 2) gate_up_tile<(CAP >= 2 ? 2 : 1)>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-            else gate_up_tile<1>(xs, q0, n0, n1, I, H, lane, wr, sr, gg, gu, u);
-        }
-        q0 += tm;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------
-// down: for each grouped position q of expert e (pair p = perm[q]):
-//   o[p, n] = bf16( (down_e[n] . u[q] / g_down) * weights[p] )   fp32 product, one rounding.
-// grid (ceil(H/16), min(E, P)), block 128: outputs n = 16*bx + 4*warp + {0..3}; u tiles (cap * I bf16) in
-// dynamic shared. Needs I % 16 == 0.
-template <int TM>
-__device__ __forceinline__ void down_tile(const bf16* us_, int q0, const int (&n)[4], int H, int lane,
-                                          const uint8_t* const (&wr)[4], const uint8_t* const (&sr)[4], int I,
-                                          const float* gd, const int* perm, const float* weights, bf16* o) {
-    float acc[4][TM];
-    nvfp4_dot<4, TM>(wr, sr, us_, I, lane, acc);
-    #pragma unroll
-    for (int t = 0; t < TM; ++t) {
-        if (lane == t) {
-            const int p = perm[q0 + t];
-            const float w = weights[p];
-            bf16* row = o + (size_t)p * H;
-            #pragma unroll
-            for (int r = 0; r < 4; ++r)
-                if (r == 0 || n[r] != n[r - 1]) row[n[r]] = __float2bfloat16_rn(__fmul_rn(apply_global(acc[r][t], gd), w));
-        }
-    }
-}
-
-template <int CAP>
-__device__ __forceinline__ void down_body(
-    const bf16* __restrict__ u,          // (P, I) grouped order
-    const int* __restrict__ offsets,     // (E+1,)
-    const int* __restrict__ perm,        // (P,)
-    const int* __restrict__ active,      // (E,)
-    const int* __restrict__ n_active,    // (1,)
-    const uint8_t* __restrict__ dw,      // (E, H, I/2)
-    const uint8_t* __restrict__ ds,      // (E, H, I/16)
-    const float* __restrict__ gsc,       // (E, 3, 2)
-    const float* __restrict__ weights,   // (P,) = (T, k) routing weights
-    bf16* __restrict__ o,                // (P, H) pair order
-    int H, int I, int cap)
-{
-    cap = min(cap, CAP);
-    extern __shared__ __align__(16) unsigned char smem_dn[];
-    bf16* xs = (bf16*)smem_dn;                                  // (cap, I)
-    const int j = blockIdx.y;
-    if (j >= n_active[0]) return;
-    const int e = active[j];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nb = blockIdx.x * 16 + 4 * warp;
-    const bool live = nb < H;
-    int n[4];
-    #pragma unroll
-    for (int r = 0; r < 4; ++r) n[r] = min(nb + r, H - 1);      // clamped rows repeat the last; not stored twice
-    const size_t rb = (size_t)I / 2, sbz = (size_t)I / 16;
-    const size_t eo = (size_t)e * H;
-    const uint8_t* const wr[4] = {dw + (eo + n[0]) * rb, dw + (eo + n[1]) * rb, dw + (eo + n[2]) * rb, dw + (eo + n[3]) * rb};
-    const uint8_t* const sr[4] = {ds + (eo + n[0]) * sbz, ds + (eo + n[1]) * sbz, ds + (eo + n[2]) * sbz, ds + (eo + n[3]) * sbz};
-    const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
-    const int qa = offsets[e], qb = offsets[e + 1];
-    for (int q0 = qa; q0 < qb;) {
-        const int rem = min(qb - q0, cap);
-        const int tm = rem >= 8 ? 8 : rem >= 4 ? 4 : rem >= 2 ? 2 : 1;
-        __syncthreads();
-        const int v16 = I / 8;
-        for (int i = threadIdx.x; i < tm * v16; i += blockDim.x) {
-            const int t = i / v16, c = i - t * v16;
-            ((uint4*)(xs + (size_t)t * I))[c] = ((const uint4*)(u + (size_t)(q0 + t) * I))[c];
-        }
-        __syncthreads();
-        if (live) {
-            if (CAP >= 8 && tm == 8) down_tile<(CAP >= 8 ? 8 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-            else if (CAP >= 4 && tm == 4) down_tile<(CAP >= 4 ? 4 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-            else if (CAP >= 2 && tm == 2) down_tile<(CAP >= 2 ? 2 : 1)>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-            else down_tile<1>(xs, q0, n, H, lane, wr, sr, I, gd, perm, weights, o);
-        }
-        q0 += tm;
-    }
-}
-
-// Entry points: the token-tile cap is a compile-time bound too, so the decode variants (_c1: T == 1) carry
-// only the 1-row tile and fewer registers. The per-row arithmetic is the same in every variant (the tile
-// size only changes how many rows share the weight loads), so results do not depend on the variant.
-#define GATE_UP_ENTRY(NAME, CAP) \
-extern "C" __global__ void __launch_bounds__(128) NAME( \
-    const bf16* __restrict__ x, const int* __restrict__ offsets, const int* __restrict__ perm, \
-    const int* __restrict__ active, const int* __restrict__ n_active, const uint8_t* __restrict__ gw, \
-    const uint8_t* __restrict__ gs, const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, \
-    const float* __restrict__ gsc, bf16* __restrict__ u, int H, int I, int k, int cap) { \
-    gate_up_body<CAP>(x, offsets, perm, active, n_active, gw, gs, uw, us, gsc, u, H, I, k, cap); }
-GATE_UP_ENTRY(moe_gate_up_nvfp4, 8)
-GATE_UP_ENTRY(moe_gate_up_nvfp4_c4, 4)
-GATE_UP_ENTRY(moe_gate_up_nvfp4_c2, 2)
-GATE_UP_ENTRY(moe_gate_up_nvfp4_c1, 1)
-
-#define DOWN_ENTRY(NAME, CAP) \
-extern "C" __global__ void __launch_bounds__(128) NAME( \
-    const bf16* __restrict__ u, const int* __restrict__ offsets, const int* __restrict__ perm, \
-    const int* __restrict__ active, const int* __restrict__ n_active, const uint8_t* __restrict__ dw, \
-    const uint8_t* __restrict__ ds, const float* __restrict__ gsc, const float* __restrict__ weights, \
-    bf16* __restrict__ o, int H, int I, int cap) { \
-    down_body<CAP>(u, offsets, perm, active, n_active, dw, ds, gsc, weights, o, H, I, cap); }
-DOWN_ENTRY(moe_down_nvfp4, 8)
-DOWN_ENTRY(moe_down_nvfp4_c4, 4)
-DOWN_ENTRY(moe_down_nvfp4_c2, 2)
-DOWN_ENTRY(moe_down_nvfp4_c1, 1)
-
-// ---------------------------------------------------------------------------------------------------
 // combine: out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index (the numpy reference's
 // order: experts visited in index order), of f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert
 // is outside [0, E) are skipped. grid (T, ceil(H/256)), block 256; k <= 16.
@@ -561,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     bf16* __restrict__ out,              // (T, H)
     int T, int H, int k, int E)
 {
-    __shared__ int order[RK_MAXK];
+    __shared__ int order[MAX_K];
     __shared__ int nvalid;
     const int t = blockIdx.x;
     if (threadIdx.x == 0) {
@@ -586,3 +200,497 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
         acc += __bfloat162float(o[((size_t)t * k + order[r]) * H + n]);
     out[(size_t)t * H + n] = __float2bfloat16_rn(acc);
 }
+
+// ===================================================================================================
+// Tensor-core NVFP4 experts (v2). These replace moe_gate_up_nvfp4* / moe_down_nvfp4* in the launcher (the old
+// kernels above stay only for the existing per-kernel timing test; the new path never calls them).
+//
+// ONE per-output arithmetic for every T and every launch path (decode "direct" and grouped/prefill):
+//   acc = fp32 (IEEE, RN) sum over the 128-column super units in ascending order, from 0, of each unit's
+//   partial = chain of its 8 mma.sync.m16n8k16.bf16 steps from a zero accumulator (the tensor core truncates
+//   its accumulator at every step, so a chain over the whole K would drift toward zero); then the same
+//   epilogues as before (global scale (acc*mult)/div, gelu(gate)*up -> bf16 u; bf16(down*w) per slot; combine
+//   = fp32 sum over the token's slots in increasing expert index from 0, one bf16 rounding).
+// Weight rows are the mma M dimension (16 rows per m-tile), token rows the N dimension (8 per n-tile; absent
+// tokens are zero columns: a D element depends only on its own A row and B column, so padding / the other
+// tokens in the tile cannot change a real token's bits). There is NO split-K: each output element is one
+// warp's sequential computation (unit partials in ascending K, added in order), so the tiling (rows per warp,
+// tokens per CTA, which kernel) changes nothing.
+//
+// K order (the same for A and B, so the product is the plain dot product, summed in a fixed order):
+//   super unit su = 128 columns [128su, 128su+128), ascending; lane (g = lane/4, q = lane%4) owns the 32
+//   columns c0 = 128su + 32q .. c0+31 of its rows (16 packed bytes = one 16-byte load, 2 scale bytes).
+//   Inside a super unit, word m = 0..3 (columns c0+8m .. c0+8m+7) feeds mma steps 2m and 2m+1 (ascending):
+//     step 2m+h:  k slots {2q, 2q+1}   <- columns c0 + 8m + 4h + {0, 1}
+//                 k slots {2q+8, 2q+9} <- columns c0 + 8m + 4h + {2, 3}
+//   A (16x16 row):  a0 = W[g][+0,+1]  a1 = W[g+8][+0,+1]  a2 = W[g][+2,+3]  a3 = W[g+8][+2,+3]
+//   B (16x8 col):   b0 = X[tok g][+0,+1]  b1 = X[tok g][+2,+3]  (one 32-bit word each of the 16-byte X load)
+//   D (16x8):       d0, d1 = W row g, tokens 2q, 2q+1;  d2, d3 = W row g+8, tokens 2q, 2q+1.
+//   Columns >= K (K % 16 == 0, the last super unit may be partial) are zero in both A and B; every path runs
+//   the same ceil(K/128)*8 steps.
+// NVFP4 -> bf16 in registers, exact: e2m1 magnitude -> bf16 via two PRMT byte tables (hi bytes 00 3F 3F 3F
+// 40 40 40 40, lo bytes 00 00 80 C0 00 40 80 C0 for 0, .5, 1, 1.5, 2, 3, 4, 6), sign bit -> bit 15 by PRMT,
+// then one mul.rn.bf16x2 by the block scale (e4m3 -> f16 by cvt (exact) -> f32 -> bf16 (exact)); q*s has
+// <= 6 significant bits and lies in [2^-10, 2688]: exact in bf16 (checkpoint.md section 1). No subnormals.
+// ===================================================================================================
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// two e4m3 scale bytes (byte 0 = block of columns c0..c0+15, byte 1 = c0+16..c0+31) -> bf16x2 broadcasts
+__device__ __forceinline__ void scales_bf16x2(uint32_t s2, uint32_t& S0, uint32_t& S1) {
+    uint32_t h2;
+    const unsigned short in = (unsigned short)(s2 & 0xffffu);
+    asm("{\n\t.reg .b16 a;\n\tmov.b16 a, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\t}" : "=r"(h2) : "h"(in));
+    const __half2 hh = *reinterpret_cast<const __half2*>(&h2);
+    const float f0 = __low2float(hh), f1 = __high2float(hh);
+    __nv_bfloat162 b0 = __floats2bfloat162_rn(f0, f0), b1 = __floats2bfloat162_rn(f1, f1);
+    S0 = *reinterpret_cast<uint32_t*>(&b0);
+    S1 = *reinterpret_cast<uint32_t*>(&b1);
+}
+
+// 8 e2m1 codes (nibble i = column +i) times the bf16x2 scale S -> 4 bf16x2: (+0,+1) (+2,+3) (+4,+5) (+6,+7).
+// (Verified against ml_dtypes for random words on the host, signed zeros included.)
+__device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t S, uint32_t (&r)[4]) {
+    const uint32_t idx = w & 0x77777777u, idx2 = idx >> 16, ws = w << 4;
+    uint32_t h1 = __byte_perm(0x3F3F3F00u, 0x40404040u, idx);     // hi bytes, codes 0..3
+    uint32_t h2 = __byte_perm(0x3F3F3F00u, 0x40404040u, idx2);    // hi bytes, codes 4..7
+    const uint32_t l1 = __byte_perm(0xC0800000u, 0xC0804000u, idx);
+    const uint32_t l2 = __byte_perm(0xC0800000u, 0xC0804000u, idx2);
+    h1 |= __byte_perm(ws, w, 0x5140) & 0x80808080u;                // sign of code i (bit 4i+3) -> bit 7 of byte i
+    h2 |= __byte_perm(ws, w, 0x7362) & 0x80808080u;
+    r[0] = bmul2(__byte_perm(l1, h1, 0x5140), S);                  // bytes lo0 hi0 lo1 hi1
+    r[1] = bmul2(__byte_perm(l1, h1, 0x7362), S);
+    r[2] = bmul2(__byte_perm(l2, h2, 0x5140), S);
+    r[3] = bmul2(__byte_perm(l2, h2, 0x7362), S);
+}
+
+__device__ __forceinline__ uint32_t u4word(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
+
+// Per-warp register ring of NVFP4 weights: D super units in flight, MT m-tiles of 16 rows each (row pointers
+// of the lane's row g; row g+8 is 8 rows further). Loads are 16 bytes when K % 32 == 0 (aligned rows),
+// otherwise two predicated 8-byte halves; columns >= K load as zeros (codes 0, scale 0).
+template <int MT, int D>
+struct WRing {
+    uint4 w[D][MT][2];
+    uint32_t s[D][MT][2];
+    const uint8_t* wr[MT];
+    const uint8_t* sr[MT];
+    size_t rb8, sb8;             // bytes of 8 packed rows / 8 scale rows
+    int K, nsu, q;
+    bool al16;
+
+    __device__ __forceinline__ void init(const uint8_t* const (&w_)[MT], const uint8_t* const (&s_)[MT], int K_, int lane) {
+        #pragma unroll
+        for (int m = 0; m < MT; ++m) { wr[m] = w_[m]; sr[m] = s_[m]; }
+        K = K_; q = lane & 3; nsu = (K + 127) >> 7; al16 = (K & 31) == 0;
+        rb8 = (size_t)8 * (K >> 1); sb8 = (size_t)8 * (K >> 4);
+    }
+    __device__ __forceinline__ void load(int r, int su) {
+        const int c0 = (su << 7) + 32 * q;
+        const bool in = su < nsu;
+        const bool full = in && al16 && c0 + 32 <= K;
+        const bool lo = in && c0 + 16 <= K, hi = in && c0 + 32 <= K;
+        #pragma unroll
+        for (int m = 0; m < MT; ++m)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* wp = wr[m] + h * rb8 + (c0 >> 1);
+                const uint8_t* sp = sr[m] + h * sb8 + (c0 >> 4);
+                if (full) {
+                    w[r][m][h] = __ldg((const uint4*)wp);
+                    s[r][m][h] = __ldg((const unsigned short*)sp);
+                } else {
+                    const uint2 z = make_uint2(0, 0);
+                    const uint2 a = lo ? __ldg((const uint2*)wp) : z, b = hi ? __ldg((const uint2*)(wp + 8)) : z;
+                    w[r][m][h] = make_uint4(a.x, a.y, b.x, b.y);
+                    s[r][m][h] = (lo ? (uint32_t)__ldg(sp) : 0u) | (hi ? (uint32_t)__ldg(sp + 1) << 8 : 0u);
+                }
+            }
+    }
+    __device__ __forceinline__ void prologue() {
+        #pragma unroll
+        for (int r = 0; r < D; ++r) load(r, r);
+    }
+};
+
+// B source 1: whole token rows resident in shared memory (row stride rs bytes), rows >= nrows and columns
+// >= K read as zeros.
+struct SrcRows {
+    const unsigned char* base;
+    int rs, nrows, K;
+    __device__ __forceinline__ void begin(int) {}
+    __device__ __forceinline__ uint4 b(int row, int su, int c) const {
+        const int col = (su << 7) + 8 * c;
+        if (row < nrows && col < K) return *(const uint4*)(base + (size_t)row * rs + 2 * col);
+        return make_uint4(0, 0, 0, 0);
+    }
+};
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit_() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait_() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// B source 2: a CTA-wide cp.async pipeline of STAGES super units; stage = NTOK rows x 256 bytes (128 bf16).
+// The 16-byte chunk c (columns 8c..8c+7) of row r lives at chunk c ^ (((c >> 3) & 1) << 1) ^ (r & 1): the 8
+// lanes of an LDS.128 phase (rows g, g+1; q = 0..3; chunk 4q+m) then hit 8 different bank groups.
+// rowoff[r] = element offset of row r in X, -1 = absent (zero-filled); columns >= K zero-filled.
+// begin(su) must be called by every thread of the CTA for su = 0, 1, ... in order (it holds a barrier).
+__device__ __forceinline__ int swz(int r, int c) { return c ^ (((c >> 3) & 1) << 1) ^ (r & 1); }
+
+template <int NTOK, int STAGES>
+struct SrcStages {
+    unsigned char* smem;
+    const bf16* X;
+    const int* rowoff;
+    int K, nsu;
+    const unsigned char* cur;
+    __device__ __forceinline__ void load(int su, int st) {
+        unsigned char* sb = smem + (size_t)st * NTOK * 256;
+        for (int i = threadIdx.x; i < NTOK * 16; i += blockDim.x) {
+            const int r = i >> 4, c = i & 15, col = (su << 7) + 8 * c;
+            const int ro = rowoff[r];
+            const bool ok = ro >= 0 && col < K;
+            cp_async16_zfill(sb + r * 256 + 16 * swz(r, c), ok ? (const void*)(X + (size_t)ro + col) : (const void*)X, ok);
+        }
+    }
+    __device__ __forceinline__ void prologue() {
+        #pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nsu) load(s, s);
+            cp_async_commit_();
+        }
+    }
+    __device__ __forceinline__ void begin(int su) {
+        cp_async_wait_<STAGES - 2>();            // this thread's copies of super unit su have landed
+        __syncthreads();                          // everyone's; and stage (su-1) % STAGES is no longer read
+        if (su + STAGES - 1 < nsu) load(su + STAGES - 1, (su + STAGES - 1) % STAGES);
+        cp_async_commit_();                       // possibly empty: keeps the group count uniform
+        cur = smem + (size_t)(su % STAGES) * NTOK * 256;
+    }
+    __device__ __forceinline__ uint4 b(int row, int, int c) const {
+        return *(const uint4*)(cur + row * 256 + 16 * swz(row, c));
+    }
+    __device__ __forceinline__ void drain() { cp_async_wait_<0>(); }
+};
+
+// The shared inner loop: acc[mt][n] += W_mt (16 rows) x X (tokens 8n..8n+7) over all K, in the fixed order
+// described above. Identical instruction sequence per output element for every MT / NT / D / source.
+template <int MT, int NT, int D, class Src>
+__device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT, D>& wr, Src& src, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    #pragma unroll
+    for (int m = 0; m < MT; ++m)
+        #pragma unroll
+        for (int n = 0; n < NT; ++n)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+    for (int su0 = 0; su0 < wr.nsu; su0 += D) {
+        #pragma unroll
+        for (int r = 0; r < D; ++r) {
+            const int su = su0 + r;
+            if (su >= wr.nsu) break;                             // uniform over the CTA
+            src.begin(su);
+            uint32_t S[MT][2][2];
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) scales_bf16x2(wr.s[r][mt][h], S[mt][h][0], S[mt][h][1]);
+            // the super unit's 8 mma steps go into a FRESH accumulator (from 0), added to the fp32 total below:
+            // the mma accumulator is truncated (round toward zero) at every step, so one chain over all of K
+            // drifts toward zero by ~K/16 half-ulps; per 128-column unit that bias stays ~8 half-ulps of the
+            // unit's partial sum, and the units are summed in IEEE fp32 (RN).
+            float part[MT][NT][4];
+            #pragma unroll
+            for (int m = 0; m < MT; ++m)
+                #pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) part[m][n][i] = 0.f;
+            #pragma unroll
+            for (int m = 0; m < 4; ++m) {                         // word m -> steps 2m, 2m+1
+                uint32_t a[MT][2][4];
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    uint32_t rg[4], rh[4];
+                    fp4x8_bf16(u4word(wr.w[r][mt][0], m), S[mt][0][m >> 1], rg);
+                    fp4x8_bf16(u4word(wr.w[r][mt][1], m), S[mt][1][m >> 1], rh);
+                    a[mt][0][0] = rg[0]; a[mt][0][1] = rh[0]; a[mt][0][2] = rg[1]; a[mt][0][3] = rh[1];
+                    a[mt][1][0] = rg[2]; a[mt][1][1] = rh[2]; a[mt][1][2] = rg[3]; a[mt][1][3] = rh[3];
+                }
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const uint4 bv = src.b(8 * n + g, su, 4 * q + m);
+                    #pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_bf16_16816(part[mt][n], a[mt][0], bv.x, bv.y);
+                        mma_bf16_16816(part[mt][n], a[mt][1], bv.z, bv.w);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int m = 0; m < MT; ++m)
+                #pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[m][n][i] = __fadd_rn(acc[m][n][i], part[m][n][i]);
+            wr.load(r, su + D);                                   // refill the slot (zeros past the end)
+        }
+    }
+}
+
+__device__ __forceinline__ float gate_up_out(float accg, float accu, const float* gg, const float* gu) {
+    return __fmul_rn(gelu_tanh_f(apply_global(accg, gg)), apply_global(accu, gu));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// DIRECT path (small T, no grouping): one CTA per (16 intermediate rows, pair p = t*k + s).
+//   u[p, n] = bf16(gelu(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up)),  e = idx[p]  (u in PAIR order)
+// grid (I/16, P), block 64: warp 0 = gate rows, warp 1 = up rows (16 each, MT = 1, D = 8 super units in
+// flight per warp); x[t] staged in dynamic shared (H bf16). Pairs with e outside [0, E) are skipped.
+extern "C" __global__ void __launch_bounds__(64) moe_gate_up_direct(
+    const bf16* __restrict__ x,          // (T, H)
+    const int* __restrict__ idx,         // (T, k)
+    const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
+    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
+    const float* __restrict__ gsc,       // (E, 3, 2)
+    bf16* __restrict__ u,                // (P, I) pair order
+    int H, int I, int k, int E)
+{
+    extern __shared__ __align__(16) unsigned char smem_gud[];
+    __shared__ float gbuf[16];
+    const int p = blockIdx.y, e = idx[p];
+    if (e < 0 || e >= E) return;                                  // uniform over the CTA
+    const int t = p / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const size_t row = (size_t)e * I + n0 + g;
+    const uint8_t* const wrow[1] = {(warp ? uw : gw) + row * (H >> 1)};
+    const uint8_t* const srow[1] = {(warp ? us : gs) + row * (H >> 4)};
+    WRing<1, 8> ring;
+    ring.init(wrow, srow, H, lane);
+    ring.prologue();                                              // weight loads in flight before the x copy
+    const uint4* xr = (const uint4*)(x + (size_t)t * H);
+    for (int i = threadIdx.x; i < (H >> 3); i += blockDim.x) ((uint4*)smem_gud)[i] = xr[i];
+    __syncthreads();
+    SrcRows src{smem_gud, 2 * H, 1, H};
+    float acc[1][1][4];
+    nvfp4_mma_run<1, 1, 8>(acc, ring, src, lane);
+    // token column 0 = lanes q == 0: d0 row g, d2 row g+8
+    const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
+    const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
+    if (warp == 0 && q == 0) { gbuf[g] = apply_global(acc[0][0][0], gg); gbuf[g + 8] = apply_global(acc[0][0][2], gg); }
+    __syncthreads();
+    if (warp == 1 && q == 0) {
+        bf16* ur = u + (size_t)p * I + n0;
+        ur[g] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(gbuf[g]), apply_global(acc[0][0][0], gu)));
+        ur[g + 8] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(gbuf[g + 8]), apply_global(acc[0][0][2], gu)));
+    }
+}
+
+// DIRECT down + combine: one CTA per (16 output rows, token t); warp s computes the token's s-th slot in
+// increasing expert index (the combine order), o = bf16((down_e . u[p] / g_down) * w[p]) for its 16 rows; then
+// out[t, n] = bf16(sum_s f32(o_s)) in that order from 0 (exactly moe_combine_bf16's arithmetic).
+// grid (H/16, T), block 32*k (k <= 16); dynamic shared k*I bf16 (the token's u rows).
+extern "C" __global__ void __launch_bounds__(512) moe_down_combine_direct(
+    const bf16* __restrict__ u,          // (P, I) pair order
+    const int* __restrict__ idx,         // (T, k)
+    const float* __restrict__ weights,   // (T, k)
+    const uint8_t* __restrict__ dw, const uint8_t* __restrict__ ds,
+    const float* __restrict__ gsc,
+    bf16* __restrict__ out,              // (T, H)
+    int H, int I, int k, int E)
+{
+    extern __shared__ __align__(16) unsigned char smem_dd[];
+    __shared__ int order[MAX_K];
+    __shared__ int nvalid;
+    __shared__ float vals[MAX_K][16];
+    const int t = blockIdx.y, n0 = blockIdx.x * 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    if (threadIdx.x == 0) {
+        int cnt = 0, last = -1;
+        for (int r = 0; r < k; ++r) {
+            int best = -1, be = 0x7fffffff;
+            for (int s = 0; s < k; ++s) {
+                const int e = idx[(size_t)t * k + s];
+                if (e >= 0 && e < E && e > last && e < be) { be = e; best = s; }
+            }
+            if (best < 0) break;
+            order[cnt++] = best; last = be;
+        }
+        nvalid = cnt;
+    }
+    __syncthreads();
+    if (warp < nvalid) {                                          // warp-uniform; no CTA barrier inside
+        const int p = t * k + order[warp], e = idx[p];
+        const size_t row = (size_t)e * H + n0 + g;
+        const uint8_t* const wrow[1] = {dw + row * (I >> 1)};
+        const uint8_t* const srow[1] = {ds + row * (I >> 4)};
+        WRing<1, 6> ring;
+        ring.init(wrow, srow, I, lane);
+        ring.prologue();
+        unsigned char* ur = smem_dd + (size_t)warp * I * 2;
+        const uint4* src_u = (const uint4*)(u + (size_t)p * I);
+        for (int i = lane; i < (I >> 3); i += 32) ((uint4*)ur)[i] = src_u[i];
+        __syncwarp();
+        SrcRows src{ur, 2 * I, 1, I};
+        float acc[1][1][4];
+        nvfp4_mma_run<1, 1, 6>(acc, ring, src, lane);
+        if (q == 0) {
+            const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
+            const float w = weights[p];
+            vals[warp][g] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(apply_global(acc[0][0][0], gd), w)));
+            vals[warp][g + 8] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(apply_global(acc[0][0][2], gd), w)));
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float a = 0.f;
+        for (int r = 0; r < nvalid; ++r) a += vals[r][threadIdx.x];
+        out[(size_t)t * H + n0 + threadIdx.x] = __float2bfloat16_rn(a);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GROUPED path: moe_group_tiles (below) sorts the pairs by expert (stable) and cuts every expert's group into
+// tiles of TS = 8*NT grouped positions: tiles[i] = (e, q0, nq, 0), tile order = expert order.
+// gate/up: grid (ceil(I/64), max_tiles), block 128 (4 warps), tile blockIdx.y (exit if >= n_tiles). Warp w owns
+// intermediate rows n0 = 64*bx + 16w .. +15 as two m-tiles (gate rows, up rows: MT = 2, the gelu pairs land in
+// the same lane), all NT n-tiles. x rows of the tile (token perm[q]/k) stream through a 3-stage cp.async
+// pipeline. u is written in GROUPED order (row q). Dynamic shared: 256 B (row offsets) + GSTAGES * 8*NT * 256 B.
+#define GSTAGES 3
+template <int NT, int D>
+__device__ __forceinline__ void gate_up_grouped_body(
+    const bf16* __restrict__ x, const int* __restrict__ perm, const int4* __restrict__ tiles,
+    const int* __restrict__ n_tiles, const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
+    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, const float* __restrict__ gsc,
+    bf16* __restrict__ u, int H, int I, int k)
+{
+    constexpr int NTOK = 8 * NT;
+    extern __shared__ __align__(16) unsigned char smem_gug[];
+    int* rowoff = (int*)smem_gug;                                     // dynamic: 256 B of row offsets, then the stages
+    if ((int)blockIdx.y >= n_tiles[0]) return;                    // uniform
+    const int4 tl = tiles[blockIdx.y];
+    const int e = tl.x, q0 = tl.y, nq = tl.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int nn = blockIdx.x * 64 + 16 * warp;
+    const bool live = nn < I;
+    const int n0 = live ? nn : I - 16;                            // dead warps compute a copy, store nothing
+    const size_t row = (size_t)e * I + n0 + g;
+    const uint8_t* const wrow[2] = {gw + row * (H >> 1), uw + row * (H >> 1)};
+    const uint8_t* const srow[2] = {gs + row * (H >> 4), us + row * (H >> 4)};
+    WRing<2, D> ring;
+    ring.init(wrow, srow, H, lane);
+    ring.prologue();
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (perm[q0 + i] / k) * H : -1;
+    __syncthreads();
+    SrcStages<NTOK, GSTAGES> src{smem_gug + 256, x, rowoff, H, ring.nsu, nullptr};
+    src.prologue();
+    float acc[2][NT][4];
+    nvfp4_mma_run<2, NT, D>(acc, ring, src, lane);
+    src.drain();
+    if (!live) return;
+    const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
+    const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
+    #pragma unroll
+    for (int n = 0; n < NT; ++n)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int col = 8 * n + 2 * q + (i & 1), r = g + 8 * (i >> 1);
+            if (col < nq)
+                u[(size_t)(q0 + col) * I + n0 + r] = __float2bfloat16_rn(gate_up_out(acc[0][n][i], acc[1][n][i], gg, gu));
+        }
+}
+
+// down: grid (ceil(H/128), max_tiles), block 128; warp w owns output rows 128*bx + 32w .. +31 (MT = 2 m-tiles,
+// each clamped to the last full m-tile if past H and then not stored); u rows of the tile (grouped positions
+// q0..q0+nq-1, contiguous) through the same pipeline. o[p, n] = bf16((down_e[n] . u[q] / g_down) * w[p]),
+// p = perm[q], o in PAIR order; moe_combine_bf16 sums the slots.
+template <int NT, int D>
+__device__ __forceinline__ void down_grouped_body(
+    const bf16* __restrict__ u, const int* __restrict__ perm, const int4* __restrict__ tiles,
+    const int* __restrict__ n_tiles, const uint8_t* __restrict__ dw, const uint8_t* __restrict__ ds,
+    const float* __restrict__ gsc, const float* __restrict__ weights, bf16* __restrict__ o, int H, int I)
+{
+    constexpr int NTOK = 8 * NT;
+    extern __shared__ __align__(16) unsigned char smem_dg[];
+    int* rowoff = (int*)smem_dg;                                     // dynamic: 256 B of row offsets, then the stages
+    if ((int)blockIdx.y >= n_tiles[0]) return;
+    const int4 tl = tiles[blockIdx.y];
+    const int e = tl.x, q0 = tl.y, nq = tl.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    int base[2];
+    bool live[2];
+    #pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        const int nn = blockIdx.x * 128 + 32 * warp + 16 * mt;
+        live[mt] = nn < H;
+        base[mt] = live[mt] ? nn : H - 16;
+    }
+    const uint8_t* const wrow[2] = {dw + ((size_t)e * H + base[0] + g) * (I >> 1), dw + ((size_t)e * H + base[1] + g) * (I >> 1)};
+    const uint8_t* const srow[2] = {ds + ((size_t)e * H + base[0] + g) * (I >> 4), ds + ((size_t)e * H + base[1] + g) * (I >> 4)};
+    WRing<2, D> ring;
+    ring.init(wrow, srow, I, lane);
+    ring.prologue();
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (q0 + i) * I : -1;
+    __syncthreads();
+    SrcStages<NTOK, GSTAGES> src{smem_dg + 256, u, rowoff, I, ring.nsu, nullptr};
+    src.prologue();
+    float acc[2][NT][4];
+    nvfp4_mma_run<2, NT, D>(acc, ring, src, lane);
+    src.drain();
+    const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
+    #pragma unroll
+    for (int n = 0; n < NT; ++n)
+        #pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int col = 8 * n + 2 * q + c;
+            if (col < nq) {
+                const int p = perm[q0 + col];
+                const float w = weights[p];
+                bf16* orow = o + (size_t)p * H;
+                #pragma unroll
+                for (int mt = 0; mt < 2; ++mt)
+                    if (live[mt]) {
+                        orow[base[mt] + g] = __float2bfloat16_rn(__fmul_rn(apply_global(acc[mt][n][c], gd), w));
+                        orow[base[mt] + g + 8] = __float2bfloat16_rn(__fmul_rn(apply_global(acc[mt][n][2 + c], gd), w));
+                    }
+            }
+        }
+}
+
+// MINB: CTAs per SM the register budget must allow (3 = at most 168 registers for the n1/n2/n4 variants, as
+// before the per-super-unit partial accumulators; n8 keeps 2).
+#define GU_GROUPED(NAME, NT, D, MINB) \
+extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
+    const bf16* __restrict__ x, const int* __restrict__ perm, const int4* __restrict__ tiles, \
+    const int* __restrict__ n_tiles, const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs, \
+    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, const float* __restrict__ gsc, \
+    bf16* __restrict__ u, int H, int I, int k) { \
+    gate_up_grouped_body<NT, D>(x, perm, tiles, n_tiles, gw, gs, uw, us, gsc, u, H, I, k); }
+GU_GROUPED(moe_gate_up_mma_n1, 1, 4, 3)
+GU_GROUPED(moe_gate_up_mma_n2, 2, 4, 3)
+GU_GROUPED(moe_gate_up_mma_n4, 4, 2, 3)
+GU_GROUPED(moe_gate_up_mma_n8, 8, 2, 2)
+
+#define DN_GROUPED(NAME, NT, D, MINB) \
+extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
+    const bf16* __restrict__ u, const int* __restrict__ perm, const int4* __restrict__ tiles, \
+    const int* __restrict__ n_tiles, const uint8_t* __restrict__ dw, const uint8_t* __restrict__ ds, \
+    const float* __restrict__ gsc, const float* __restrict__ weights, bf16* __restrict__ o, int H, int I) { \
+    down_grouped_body<NT, D>(u, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I); }
+DN_GROUPED(moe_down_mma_n1, 1, 4, 3)
+DN_GROUPED(moe_down_mma_n2, 2, 4, 3)
+DN_GROUPED(moe_down_mma_n4, 4, 2, 3)
+DN_GROUPED(moe_down_mma_n8, 8, 2, 2)

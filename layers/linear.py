@@ -16,6 +16,7 @@ ROWS, THREADS = 16, 256                 # decode family: N rows per CTA, threads
 P_ROWS, P_TOK = 64, 32                  # prefill tile (`_p` kernels): N rows x tokens per CTA
 P_SMEM = {'bf16': 55296, 'fp8': 34816}  # prefill dynamic smem bytes (4 stages, linear.cu PrefillSmem)
 PREFILL_MIN_T = 65                      # T from which the `_p` tile runs (same bits; None = decode family always)
+DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
 
@@ -51,7 +52,10 @@ def upload_linear(g, raw):
 def _nt_suffix(t):
     """Decode family: tokens per CTA (8, 16, 32 or 64) for T rows: fewer idle mma columns and registers at small T. Only
     the grouping of outputs into CTAs changes with it, never any output's arithmetic."""
-    return next(c for c in (8, 16, 32) if t <= c) if t <= 32 else 64
+    # T <= 16 runs _t16: on the H200 (2026-11-30) it beat _t8 at every decode shape measured (_t8's 45 KB of X
+    # staging in shared memory halves its occupancy): q_proj 6.4 vs 7.7 us, o_proj 7.9 vs 8.6, the bf16 head 374
+    # vs 406 us (T=16 on _t16 against T=1 on _t8). _t8 stays selectable through DECODE_NT_MIN for measurements.
+    return next(c for c in (8, 16, 32) if t <= c and c >= DECODE_NT_MIN) if t <= 32 else 64
 
 
 def _kernel_of(w, f32=False):

@@ -32,16 +32,22 @@ def experts(y, weights, idx, gate_up, down):
 
 
 # --- GPU ---
-# Device MoE (kernels_ptx/moe.cu): router_logits_bf16 + router_topk_f32 -> (weights (T, k) f32, idx (T, k) i32);
-# moe_group (stable counting sort of the T*k (token, slot) pairs by expert) -> moe_gate_up_nvfp4 -> moe_down_nvfp4
-# -> moe_combine_bf16. Each selected expert's weights are read once per call for all its tokens. Arithmetic:
+# Device MoE: kernels_ptx/router.cu's router_bf16 -> (weights (T, k) f32, idx (T, k) i32); kernels_ptx/moe.cu:
+# experts on tensor cores, two launch paths with identical arithmetic (see _experts_direct / _experts_grouped):
+# direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_tiles (stable counting sort
+# of the T*k (token, slot) pairs by expert) -> moe_gate_up_mma_n* -> moe_down_mma_n* -> moe_combine_bf16.
+# Arithmetic:
 #   router: r = bf16(bf16(bf16(norm(h)) * scale) * H^-0.5) as transformers' bf16 model; logits fp32 (not
 #     rounded), softmax fp32, top-k ties -> lower index, weights = p / sum(top p) * per_expert_scale[idx].
-#   experts: q*s exact (f16), fp32 FMA over K in a fixed order; the global scale on the fp32 sum as
+#   experts: q*s exact (bf16 mma operand), mma.sync bf16; each 128-column K block is a fresh mma chain (the
+#     tensor core truncates its accumulator at every step: one chain over all of K drifted towards zero), the
+#     blocks added in fp32 in increasing order, the same for every T and path; the global scale on the fp32 sum as
 #     (acc * mult) / div with (mult, div) = (1, g) for CT (the reference's q*s/g, one division) and (wsf2, 1) for
 #     ModelOpt; u = bf16(gelu_tanh(gate) * up) (fp32 math); o = bf16(down_acc * weight) (fp32 product, one
 #     rounding); out[t] = bf16(fp32 sum of the token's o rows in increasing expert index: the reference's order).
 import ml_dtypes  # noqa: E402
+
+from layers.norm import router_input_gpu  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -103,16 +109,26 @@ def upload_router(g, proj, scale, per_expert_scale):
                 router_pes=g.upload(np.asarray(per_expert_scale, np.float32)))
 
 
+def _max_tiles(E, P, ts):
+    """Upper bound on the grouped tiles of ts positions: sum_e ceil(c_e / ts) <= min(E, P) + ceil(P / ts)."""
+    return min(E, P) + (P + ts - 1) // ts
+
+
 def moe_workspace(g, T, E, k, H, I):
-    """Scratch for one MoE call of T tokens (reuse across layers / graph replays)."""
+    """Scratch for one MoE call of up to T tokens (reuse across layers / graph replays)."""
     P = T * k
-    return dict(T=T, k=k, logits=g.empty((T, E), np.float32), offsets=g.empty((E + 1,), np.int32),
+    return dict(T=T, k=k, logits=g.empty((T, E), np.float32), r=g.empty((T, H), _bf16()),
+                counters=g.upload(np.zeros((T + 3) // 4, np.int32)),    # router.cu's arrivals, kept at 0
+                offsets=g.empty((E + 1,), np.int32),
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
-                u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()))
+                u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
+                tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32))
 
 
-def router_gpu(g, h, router, weights, idx, workspace, top_k, eps):
-    """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability)."""
+def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
+    """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability): router.cu's
+    one launch over r, the router's input row (layers.norm: post_attn_norms_gpu(router=...) makes it with the
+    layer's norms); without r it is made here first (router_input_gpu, the same bytes)."""
     T, H = h.shape
     E = router["router_proj"].shape[0]
     bf = _bf16()
@@ -122,33 +138,24 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps):
         raise ValueError(f"router: need H % 8 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
     if router["router_proj"].ptr % 16:
         raise ValueError("router_gpu: router_proj needs 16-byte alignment")
-    logits = workspace["logits"]
-    if logits.shape[0] < T or logits.shape[1] != E:
+    logits, counters = workspace["logits"], workspace["counters"]
+    if logits.shape[0] < T or logits.shape[1] != E or counters.shape[0] < (T + 3) // 4:
         raise ValueError(f"workspace logits {logits.shape} too small for T={T}, E={E}")
-    m = g.module("moe")
-    g.launch(m.function("router_logits_bf16"), grid=((T + 3) // 4, (E + 3) // 4), block=(128,),
-             args=[h, router["router_proj"], router["router_scale"], logits, T, H, E, float(eps), float(H ** -0.5)],
-             shared=4 * H * 2)
-    g.launch(m.function("router_topk_f32"), grid=((T + 3) // 4,), block=(128,),
-             args=[logits, router["router_pes"], weights, idx, T, E, top_k])
+    if r is None:
+        r = g.view(workspace["r"], 0, (T, H), bf)
+        router_input_gpu(g, h, router["router_scale"], r, eps, H ** -0.5)
+    _check(r, (T, H), bf, "r")
+    g.launch(g.module("router").function("router_bf16"), grid=((E + 3) // 4, (T + 3) // 4), block=(128,),
+             args=[r, router["router_proj"], router["router_pes"], logits, counters, weights, idx, T, H, E, top_k],
+             nbytes=E * H * 2)
 
 
-_VARIANT = {8: "", 4: "_c4", 2: "_c2", 1: "_c1"}    # kernel compiled for that token-tile cap (registers)
-
-
-def _cap(T, K):
-    """Token-tile cap of the expert kernels: <= 8, <= T (a token hits an expert at most once), and the tile of
-    cap rows of K bf16 fits 48 KiB of dynamic shared memory. Powers of two only."""
-    c = 8
-    while c > 1 and (c > T or c * K * 2 > 48 * 1024):
-        c //= 2
-    return c
-
-
-def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6):
+def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6, path=None, nt=None):
     """x_normed (T, H) bf16 = pre_feedforward_layernorm_2(h); weights (T, k) f32, idx (T, k) i32 from router_gpu
     (if weights is None they are computed here from h with experts' router arrays: pass top_k, eps, and
-    weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router."""
+    weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router.
+    path: None (auto: "direct" for T <= DIRECT_MAX_T, else "grouped"), "direct" or "grouped"; nt: grouped tile
+    width 8*nt tokens (1, 2, 4, 8; None = auto). Neither changes the result bits (tests force each)."""
     E, H, I = experts["E"], experts["H"], experts["I"]
     T = x_normed.shape[0]
     bf = _bf16()
@@ -172,23 +179,93 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
         raise ValueError(f"workspace too small for T={T}, k={k}, H={H}, I={I}")
     if any(a.ptr % 16 for a in (x_normed, out)):
         raise ValueError("moe_gpu: x_normed and out need 16-byte aligned rows")
-    m = g.module("moe")
-    ws = workspace
-    g.launch(m.function("moe_group"), grid=(1,), block=(1024,),
-             args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"]])
-    gy = min(E, P)
-    cap_gu, cap_d = _cap(T, H), _cap(T, I)
-    g.launch(m.function("moe_gate_up_nvfp4" + _VARIANT[cap_gu]), grid=((I + 7) // 8, gy), block=(128,),
-             args=[x_normed, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["gw"], experts["gs"],
-                   experts["uw"], experts["us"], experts["gsc"], ws["u"], H, I, k, cap_gu],
-             shared=cap_gu * H * 2)
-    g.launch(m.function("moe_down_nvfp4" + _VARIANT[cap_d]), grid=((H + 15) // 16, gy), block=(128,),
-             args=[ws["u"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], experts["dw"], experts["ds"],
-                   experts["gsc"], weights, ws["o"], H, I, cap_d],
-             shared=cap_d * I * 2)
-    g.launch(m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
-             args=[ws["o"], idx, out, T, H, k, E])
+    if H < 16 or I < 16 or P * max(H, I) >= 2 ** 31:
+        raise ValueError(f"moe: need H, I >= 16 and T*k*max(H, I) < 2^31 (T={T}, k={k}, H={H}, I={I})")
+    for _, launch in _plan(g, x_normed, weights, idx, experts, out, workspace, T, k, path, nt):
+        launch()
     return out
+
+
+def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
+    """The expert launches of one call as [(name, thunk)] (moe_gpu runs them in order; the timing test captures
+    them one by one)."""
+    H, I = ex["H"], ex["I"]
+    direct_fits = H * 2 <= _DIRECT_SMEM and k * I * 2 <= _DIRECT_SMEM
+    if path is None:
+        path = "direct" if T <= DIRECT_MAX_T and direct_fits else "grouped"
+    if path == "direct":
+        if not direct_fits:
+            raise ValueError(f"moe_gpu: direct path needs 2*H and 2*k*I <= {_DIRECT_SMEM} (H={H}, k={k}, I={I})")
+        return _experts_direct(g, x, weights, idx, ex, out, ws, T, k)
+    if path == "grouped":
+        return _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt)
+    raise ValueError(f"moe_gpu: path must be 'direct' or 'grouped', got {path!r}")
+
+
+# Tensor-core expert paths (kernels_ptx/moe.cu, "v2"). Both run the same per-element arithmetic (an mma.sync
+# m16n8k16 bf16 chain over K in one fixed order, no split-K; same epilogue roundings), so a token's output bytes
+# do not depend on T, on the path, on NT or on the other tokens (tests_parts/test_gpu_moe_v2.py checks it).
+#   direct  (T <= DIRECT_MAX_T, 2 launches): moe_gate_up_direct, one CTA per (16 rows of I, pair), u in pair
+#           order; moe_down_combine_direct, one CTA per (16 rows of H, token), the token's k slots in its warps,
+#           combined in increasing expert index in shared memory. No grouping: at tiny T tokens rarely share an
+#           expert (a shared one is read twice, mostly from L2).
+#   grouped (4 launches): moe_group_tiles (stable counting sort by expert + tiles of 8*NT positions) ->
+#           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
+#           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
+DIRECT_MAX_T = 4
+_DIRECT_SMEM = 40 * 1024          # dynamic shared of the direct kernels stays under the 48 KiB default
+_NT_CHOICES = (1, 2, 4, 8)
+
+
+def _pick_nt(P, E):
+    """Tokens per grouped tile = 8*NT from the mean group size (speed only: results do not depend on it)."""
+    avg = P / max(1, min(E, P))
+    return 1 if avg <= 10 else 2 if avg <= 20 else 4 if avg <= 40 else 8
+
+
+def _experts_direct(g, x, weights, idx, ex, out, ws, T, k):
+    E, H, I = ex["E"], ex["H"], ex["I"]
+    P = T * k
+    m = g.module("moe")
+    return [("gate_up_direct", lambda: g.launch(
+                m.function("moe_gate_up_direct"), grid=(I // 16, P), block=(64,),
+                args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=H * 2)),
+            ("down_combine_direct", lambda: g.launch(
+                m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k,),
+                args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=k * I * 2))]
+
+
+_GSTAGES = 3        # cp.async stages of the grouped kernels (GSTAGES in moe.cu)
+
+
+def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
+    E, H, I = ex["E"], ex["H"], ex["I"]
+    P = T * k
+    nt = _pick_nt(P, E) if nt is None else nt
+    if nt not in _NT_CHOICES:
+        raise ValueError(f"moe_gpu: nt must be one of {_NT_CHOICES}, got {nt}")
+    ts = 8 * nt
+    maxt = _max_tiles(E, P, ts)
+    tiles = ws.get("tiles")
+    if tiles is None or tiles.shape[0] < maxt:
+        raise ValueError(f"workspace tiles too small for T={T} (need {maxt} rows; build it with moe_workspace)")
+    m = g.module("moe")
+    shared = 256 + _GSTAGES * ts * 256           # row offsets + stages (> 48 KiB at nt=8: gpu.launch opts in)
+    return [("group_tiles", lambda: g.launch(
+                m.function("moe_group_tiles"), grid=(1,), block=(1024,),
+                args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles,
+                      ws["n_tiles"]])),
+            (f"gate_up_mma_n{nt}", lambda: g.launch(
+                m.function(f"moe_gate_up_mma_n{nt}"), grid=((I + 63) // 64, maxt), block=(128,),
+                args=[x, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"],
+                      ws["u"], H, I, k], shared=shared)),
+            (f"down_mma_n{nt}", lambda: g.launch(
+                m.function(f"moe_down_mma_n{nt}"), grid=((H + 127) // 128, maxt), block=(128,),
+                args=[ws["u"], ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"],
+                      H, I], shared=shared)),
+            ("combine", lambda: g.launch(
+                m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
+                args=[ws["o"], idx, out, T, H, k, E]))]
 
 
 def moe_bytes(E_active, H, I, router_E=None):

@@ -54,21 +54,37 @@ def _fused_tpr(x):
     return tpr
 
 
-def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps):
+def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None):
     """After o_proj, in one launch: h = x + norm(a) * w_pa; xn = norm(h) * w_pf; e_in = norm(h) * w_pf2
     (all (T, n) bf16): the bytes of rmsnorm_gpu(a, w_pa, h, add=x), rmsnorm_gpu(h, w_pf, xn),
-    rmsnorm_gpu(h, w_pf2, e_in)."""
+    rmsnorm_gpu(h, w_pf2, e_in). router = (r, scale, root): also the MoE router's input r (T, n) =
+    bf16(bf16(bf16(norm(h)) * scale) * root), the bytes of router_input_gpu(h)."""
     T, n = a.shape
-    for v in (x, h, xn, e_in):
+    for v in (x, h, xn, e_in) + ((router[0],) if router else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
     tpr = _fused_tpr(a)
-    if tpr is None or any(v.ptr % 16 for v in (x, h, xn, e_in, w_pa, w_pf, w_pf2)):
+    if tpr is None or any(v.ptr % 16 for v in (x, h, xn, e_in, w_pa, w_pf, w_pf2) + (router[:2] if router else ())):
         rmsnorm_gpu(g, a, w_pa, h, eps, add=x)
         rmsnorm_gpu(g, h, w_pf, xn, eps)
         rmsnorm_gpu(g, h, w_pf2, e_in, eps)
+        if router:
+            router_input_gpu(g, h, router[1], router[0], eps, router[2])
         return
+    r, scale, root = router if router else (None, None, 1.0)
     g.launch(g.module("elementwise").function("post_attn_norms_bf16"), grid=(T,), block=(tpr,),
-             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps)])
+             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale, float(root)])
+
+
+def router_input_gpu(g, h, scale, r, eps, root):
+    """The MoE router's input row r (T, n) = bf16(bf16(bf16(h * rms(h)^-1) * scale) * root) (root = n^-0.5),
+    the bytes post_attn_norms_gpu(router=...) gives. Needs n % 8 == 0, n <= 8192, 16-byte aligned rows."""
+    T, n = h.shape
+    assert h.dtype == r.dtype == BF16 and r.shape == (T, n) and scale.shape == (n,), (h, r, scale)
+    tpr = _fused_tpr(h)
+    if tpr is None or r.ptr % 16 or scale.ptr % 16:
+        raise ValueError(f"router_input_gpu: needs n % 8 == 0, n <= 8192 and 16-byte aligned rows (n={n})")
+    g.launch(g.module("elementwise").function("router_input_bf16"), grid=(T,), block=(tpr,),
+             args=[r, h, scale, n, float(eps), float(root)])
 
 
 def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None):
