@@ -4442,8 +4442,8 @@ def test_gpu_profile_decode_times_every_launch_of_the_step(graph_pair):
 # every real decode shape (T = 1 / 16 / 64) and of the fused launches, graph-replayed.
 
 
-H, I = 2816, 2112
-QKV_SHAPES = {'sliding': ((4096, H), (2048, H)), 'full': ((4096, H), (1024, H)),
+LV_H, LV_I = 2816, 2112
+QKV_SHAPES = {'sliding': ((4096, LV_H), (2048, LV_H)), 'full': ((4096, LV_H), (1024, LV_H)),
               'odd': ((1000, 704), (17, 704), (1, 704))}
 
 
@@ -4547,7 +4547,7 @@ def _gelu_check(name, y, ref):
 def test_gpu_gate_up_gelu_matches_separate(lin_g, fmt):
     """gate_up_gelu_gpu == linear_gpu(gate), linear_gpu(up), gelu_mul_gpu byte for byte; vs float64."""
     g, rng = lin_g, np.random.default_rng(12)
-    for n, k, ts in ((I, H, (1, 3, 16, 64, 2048)), (1000, 704, (1, 3, 17, 64, 65, 300)),
+    for n, k, ts in ((LV_I, LV_H, (1, 3, 16, 64, 2048)), (1000, 704, (1, 3, 17, 64, 65, 300)),
                      (17, 48, (1, 3, 17, 65)), (1, 2112, (1, 9, 70))):
         (rg, wg), (ru, wu) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n, k)
         lg, lu = upload_linear(g, rg), upload_linear(g, ru)
@@ -4611,8 +4611,8 @@ def test_gpu_linear_fused_errors(lin_g):
 
 
 # --- timings ------------------------------------------------------------------------------------------------
-DECODE_SHAPES = (('q_proj', 4096, H), ('k_proj sliding', 2048, H), ('k_proj full', 1024, H),
-                 ('o_proj', H, 4096), ('gate/up', I, H), ('down', H, I))
+DECODE_SHAPES = (('q_proj', 4096, LV_H), ('k_proj sliding', 2048, LV_H), ('k_proj full', 1024, LV_H),
+                 ('o_proj', LV_H, 4096), ('gate/up', LV_I, LV_H), ('down', LV_H, LV_I))
 COPIES = 8                                                                   # weights cycled: no L2 reuse
 
 
@@ -4651,7 +4651,7 @@ def test_gpu_linear_v2_timing(lin_g):
         print(f'sliding layer, separate launches (q, k, o, gate, up, down) T={t}: {us:.1f} us')
 
     for t in (1, 16, 64, 2048):
-        x = g.upload(rng.standard_normal((t, H), np.float32).astype(BF16))
+        x = g.upload(rng.standard_normal((t, LV_H), np.float32).astype(BF16))
         for kname in ('k_proj sliding', 'k_proj full'):
             nk = 2048 if kname == 'k_proj sliding' else 1024
             q_out, k_out = g.empty((t, 4096), BF16), g.empty((t, nk), BF16)
@@ -4660,17 +4660,17 @@ def test_gpu_linear_v2_timing(lin_g):
             mf = _lin_time(g, lambda i: linear_multi_gpu(g, x, [qs[i % COPIES], ks[i % COPIES]], [q_out, k_out]), it)
             msep = _lin_time(g, lambda i: (linear_gpu(g, x, qs[i % COPIES], q_out),
                                            linear_gpu(g, x, ks[i % COPIES], k_out)), it)
-            gb = (4096 + nk) * H / 1e9
+            gb = (4096 + nk) * LV_H / 1e9
             print(f'q+{kname:15s} T={t:4d}: fused {mf * 1e3:7.2f} us {gb / mf * 1e3:5.0f} GB/s | '
                   f'separate {msep * 1e3:7.2f} us')
             g.free(q_out), g.free(k_out)
         gu = lins['gate/up']
-        gate, up, act = g.empty((t, I), BF16), g.empty((t, I), BF16), g.empty((t, I), BF16)
+        gate, up, act = g.empty((t, LV_I), BF16), g.empty((t, LV_I), BF16), g.empty((t, LV_I), BF16)
         it = 64 if t < 2048 else 8
         mf = _lin_time(g, lambda i: gate_up_gelu_gpu(g, x, gu[i % COPIES], gu[(i + 1) % COPIES], act), it)
         msep = _lin_time(g, lambda i: (linear_gpu(g, x, gu[i % COPIES], gate),
                                        linear_gpu(g, x, gu[(i + 1) % COPIES], up), gelu_mul_gpu(g, gate, up, act)), it)
-        gb = 2 * I * H / 1e9
+        gb = 2 * LV_I * LV_H / 1e9
         extra = f' {2 * gb * t / mf:.0f} TFLOP/s' if t == 2048 else ''
         print(f'gate_up_gelu     T={t:4d}: fused {mf * 1e3:7.2f} us {gb / mf * 1e3:5.0f} GB/s{extra} | '
               f'separate {msep * 1e3:7.2f} us')
