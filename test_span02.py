@@ -3734,23 +3734,7 @@ def test_gpu_attention_decode_timing(g, geo):
 
         def call():
             A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, W, sliding, out, max_keys=mk, work=work)
-        for _ in range(3):
-            call()
-        g.sync()
-        reps, replays = 20, 5                          # timed through a graph: no Python launch overhead
-        g.capture_begin()
-        for _ in range(reps):
-            call()
-        graph = g.capture_end()
-        graph.replay()
-        g.sync()
-        e0, e1 = g.event(), g.event()
-        g.record(e0)
-        for _ in range(replays):
-            graph.replay()
-        g.record(e1)
-        ms = g.elapsed_ms(e0, e1) / (reps * replays)
-        graph.close()
+        ms = _graph_time(g, call)                      # timed through a graph: no Python launch overhead
         kv = B * ctx * Hkv * D * 2 * 2                 # K and V rows of every key, bf16
         scratch = B * HQ * A.attention_slots(mk) * (D + 2) * 4 * 2   # partials written + read back
         print(f"attn decode {geo} B={B} ctx={ctx}: {ms * 1e3:.1f} us/call (graph replay), "
@@ -4856,6 +4840,7 @@ def test_gpu_attention_v2_max_keys_graph(g, geo):
 
 
 def _graph_time(g, call, reps=20, replays=5):
+    """Milliseconds per call of `call` (launches only): warmed up, captured `reps` times in one graph, replayed."""
     for _ in range(3):
         call()
     g.sync()
@@ -5392,3 +5377,97 @@ def test_gpu_moe2_timing(g, real, T):
     t0 = time.perf_counter()
     g.sync()
     assert time.perf_counter() - t0 < 60
+
+
+# ====================================================================================================
+# === GPU dense layers: decode-kernel speed variants (byte identity and one timing table) ===
+# ====================================================================================================
+# --- Decode-family speed variants (linear.cu dec2_body, layers.linear.DECODE_VARIANT): byte identity with the default
+# kernels at the real shapes, and one timing table (graph-replayed, weights cycled from HBM) per shape and T.
+
+
+_LV_V = 262144
+
+
+def _dec_cases(g, rng):
+    """(name, K, out shapes (N, dtype), call(i, x, outs), weight bytes per call, T list) for every real decode launch."""
+    q, ks, kf = _copies(g, rng, 4096, LV_H), _copies(g, rng, 2048, LV_H), _copies(g, rng, 1024, LV_H)
+    o, gu, dn = _copies(g, rng, LV_H, 4096), _copies(g, rng, LV_I, LV_H), _copies(g, rng, LV_H, LV_I)
+    table = g.upload(_lin_head_table(rng, _LV_V, LV_H)[0])
+    c = COPIES
+    ts = (1, 3, 16, 17, 33, 64)
+    cases = [
+        ('q+k sliding', LV_H, [(4096, BF16), (2048, BF16)],
+         lambda i, x, outs: linear_multi_gpu(g, x, [q[i % c], ks[i % c]], outs), (4096 + 2048) * LV_H, ts),
+        ('q+k full', LV_H, [(4096, BF16), (1024, BF16)],
+         lambda i, x, outs: linear_multi_gpu(g, x, [q[i % c], kf[i % c]], outs), (4096 + 1024) * LV_H, ts),
+        ('o_proj', 4096, [(LV_H, BF16)], lambda i, x, outs: linear_gpu(g, x, o[i % c], outs[0]), LV_H * 4096, ts),
+        ('gate_up_gelu', LV_H, [(LV_I, BF16)],
+         lambda i, x, outs: gate_up_gelu_gpu(g, x, gu[i % c], gu[(i + 1) % c], outs[0]), 2 * LV_I * LV_H, ts),
+        ('down', LV_I, [(LV_H, BF16)], lambda i, x, outs: linear_gpu(g, x, dn[i % c], outs[0]), LV_H * LV_I, ts),
+        ('head bf16', LV_H, [(_LV_V, np.float32)], lambda i, x, outs: head_gpu(g, x, table, outs[0]), _LV_V * LV_H * 2,
+         (1, 16, 64)),
+    ]
+    owned = q + ks + kf + o + gu + dn
+    return cases, owned, table
+
+
+def _run_variant(g, v, call, x, shapes):
+    saved, lin_mod.DECODE_VARIANT = lin_mod.DECODE_VARIANT, v
+    try:
+        outs = [_poisoned(g, (x.shape[0], n), dt) for n, dt in shapes]
+        call(0, x, outs)
+        res = [g.download(a) for a in outs]
+    finally:
+        lin_mod.DECODE_VARIANT = saved
+    for a in outs:
+        g.free(a)
+    return res
+
+
+@needs_gpu
+def test_gpu_linear_decode_variants(lin_g):
+    """Every DECODE_VARIANT gives the default's bytes at T = 1, 3, 16, 17, 33, 64 (head 1, 16, 64) for the real
+    decode launches (fused q+k, o_proj, gate_up_gelu, down, bf16 head); then a table of graph-replayed us and
+    weight GB/s per variant at T = 1 / 16 / 64 (8 weight copies cycled: HBM; the 1.5 GB head from HBM anyway)."""
+    g, rng = lin_g, np.random.default_rng(21)
+    variants = list(lin_mod.DECODE_VARIANTS)
+    default = lin_mod.DECODE_VARIANT
+    cases, owned, table = _dec_cases(g, rng)
+    bad = []
+    for name, k, shapes, call, _, ts in cases:                       # (a) byte identity
+        for t in ts:
+            x = g.upload((rng.standard_normal((t, k), np.float32) * 2).astype(BF16))
+            ref = _run_variant(g, default, call, x, shapes)
+            for v in variants:
+                got = _run_variant(g, v, call, x, shapes)
+                for j, (a, b) in enumerate(zip(got, ref)):
+                    a, b = np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8)
+                    if not np.array_equal(a, b):
+                        n_bad = int((a != b).sum())
+                        bad.append(f'{v} {name} out {j} T={t}: {n_bad} bytes differ')
+            g.free(x)
+    print('\nus (GB/s of weights) per variant, graph-replayed:')
+    print(f'{"launch":14s} {"T":>3s} ' + ' '.join(f'{v:>15s}' for v in variants))
+    for t in (1, 16, 64):                                            # (b) timings
+        for name, k, shapes, call, wbytes, _ in cases:
+            x = g.upload(rng.standard_normal((t, k), np.float32).astype(BF16))
+            outs = [g.empty((t, n), dt) for n, dt in shapes]
+            cells = []
+            for v in variants:
+                saved, lin_mod.DECODE_VARIANT = lin_mod.DECODE_VARIANT, v
+                try:
+                    ms = _lin_time(g, lambda i: call(i, x, outs), 8 if name.startswith('head') else 64)
+                finally:
+                    lin_mod.DECODE_VARIANT = saved
+                cells.append(f'{ms * 1e3:7.2f} ({wbytes / ms / 1e6:5.0f})')
+            print(f'{name:14s} {t:3d} ' + ' '.join(cells))
+            for a in outs:
+                g.free(a)
+            g.free(x)
+    for lin in owned:
+        _lin_free(g, lin)
+    g.free(table)
+    for line in bad:
+        print('MISMATCH', line)
+    assert not bad, f'{len(bad)} variant outputs differ from {default}: {bad[:4]}'

@@ -339,6 +339,213 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     }
 }
 
+// cp.async for the SR ring below, with "memory" clobbers: no barrier separates a lane's own smem slot reads from
+// its wait and refill there, so the compiler must not move those ordinary loads across the asm.
+__device__ __forceinline__ void cp_async16_m(void *smem, const void *gmem, bool ok) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_m() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int NPEND> __device__ __forceinline__ void cp_async_wait_m() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(NPEND) : "memory");
+}
+
+// --- decode family, variant layout `dec2` (speed variants, same bits) ------------------------------------------
+// The same per-output arithmetic as dec_body (slice w = warp w walks its units ascending through mma_unit into its
+// own fp32 accumulator; partials summed 0..7 through smem; store_out), so every output is bit-identical to
+// the `_t*` kernels by construction. What differs is only the data movement:
+//   - the register ring holds WEIGHTS only (R items of 8 regs fp8 / 16 regs bf16 per m-tile): X is never in the
+//     ring but read at consume time with ldg (X is small and shared by every CTA: L1 / L2 hits), so R can be
+//     deep without X's 8*NT registers per slot, and the kernel can run at 3-4 CTAs/SM;
+//   - a slot is refilled as soon as its weights are converted to mma fragments, before the slot's mma;
+//   - griddepcontrol.wait comes after the weight prologue (X is first read in the main loop);
+//   - MT m-tiles (16*MT rows) per CTA: each X fragment feeds MT mma (X traffic from L2 / MT at large T);
+//   - TF: token tile = blockIdx.x (fastest), row tile = blockIdx.y, so the CTAs that share a weight tile
+//     run back to back and the later ones read it from L2.
+// Tile of the CTA: rows row0 .. row0 + 16*MT - 1 (m-tile mt: rows row0 + 16mt + g, + g + 8 per lane) x tokens
+// t0 .. t0 + 8*NT - 1.
+//   - SR: the ring lives in SHARED memory instead of registers: each lane cp.async's its item's 16-byte pieces
+//     into its own slot bytes and reads back only what it wrote itself (cp.async.wait_group, no barrier), so R
+//     items of weights are in flight per warp at no register cost; dynamic smem R * 8 warps * MT * 2 * WV * 512 B.
+template <int FMT, int NT, int MT, bool F32OUT, bool GELU, int R, bool TF, bool SR>
+__device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
+                                          const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int M = GELU ? 2 : 1;                           // jobs (gate, up) per CTA
+    constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
+    constexpr int RT = ROWS * MT;                             // N rows per CTA
+    __shared__ float red[SLICES][MT * NT * 4][32];            // slice partials in D-fragment order, lane fastest
+    pdl_trigger();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, q = lane & 3;
+    int b = TF ? blockIdx.y : blockIdx.x;                     // row tile
+    const int ty = TF ? blockIdx.x : blockIdx.y;              // token tile
+    const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
+    const Proj p1 = GELU ? q1 : p0;
+    const int N = p0.N;
+    const int row0 = b * RT;
+    const int t0 = ty * (8 * NT);
+    const int units = (K + 63) >> 6;
+    const int cnt = warp < units ? (units - warp + SLICES - 1) / SLICES : 0;   // units of slice `warp`
+    const int total = M * cnt;                                // items: job 0's units, then job 1's
+
+    float acc[M][MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[m][mt][n][i] = 0.f;
+
+    constexpr int RR = SR ? 1 : R;                            // register ring slots
+    uint4 wsl[RR][MT][2][WV];                                 // ring: rows g, g+8 of each m-tile of the item
+    float bsl[R];                                             // ring: 128x128 block scale (FP8BLK)
+    // SR: slot r of warp w = SP uint4 per lane, piece p (= (mt * 2 + row half) * WV + v) of lane l at uint4
+    // index ((w * R + r) * SP + p) * 32 + l (lane-contiguous 16-byte pieces: conflict-free).
+    constexpr int SP = MT * 2 * WV;
+    extern __shared__ __align__(16) uint4 ring_smem[];
+    auto sslot = [&](int r) { return ring_smem + ((size_t)(warp * R + r) * SP) * 32 + lane; };
+    auto load = [&](int i, uint4 (&w)[MT][2][WV], float &bs, uint4 *sp) {
+        const bool valid = i < total;
+        const int m = (M == 2 && i >= cnt) ? 1 : 0;
+        const int u = warp + SLICES * (i - m * cnt);
+        const int kk = (u << 6) + 16 * q;
+        const bool kin = valid && kk < K;
+        const void *Wm = m ? p1.W : p0.W;
+        const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int rg = row0 + 16 * mt + g, rh = rg + 8;
+#pragma unroll
+            for (int v = 0; v < WV; ++v) {
+                if (SR) {                                     // zero-filled when out of range (src size 0)
+                    const size_t eb = FMT == FMT_BF16 ? 2 : 1, off = (size_t)kk * eb + 16 * v;
+                    const uint8_t *wb = reinterpret_cast<const uint8_t *>(Wm);
+                    const bool og = kin && rg < N, oh = kin && rh < N;
+                    cp_async16_m(sp + ((mt * 2 + 0) * WV + v) * 32, og ? (const void *)(wb + (size_t)rg * K * eb + off) : Wm, og);
+                    cp_async16_m(sp + ((mt * 2 + 1) * WV + v) * 32, oh ? (const void *)(wb + (size_t)rh * K * eb + off) : Wm, oh);
+                } else if (FMT == FMT_BF16) {
+                    const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
+                    w[mt][0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
+                    w[mt][1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
+                } else {
+                    const uint8_t *w8 = reinterpret_cast<const uint8_t *>(Wm);
+                    w[mt][0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
+                    w[mt][1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
+                }
+            }
+        }
+        if (FMT == FMT_FP8BLK) {                              // block (row0/128, k/128): 16*MT divides 128
+            const float *Sm = m ? p1.S : p0.S;
+            const int sam = m ? p1.sa : p0.sa;
+            bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
+        }
+        if (SR) cp_async_commit_m();                            // one group per item (maybe empty): uniform count
+    };
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) load(r, wsl[SR ? 0 : r], bsl[r], sslot(r));   // weights (no kernel writes them)
+    pdl_wait();                                               // X (and the stores) follow the previous kernel
+
+    for (int base = 0; base < total; base += R) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const int i = base + r;
+            if (i >= total) break;                            // warp-uniform
+            const int m = (M == 2 && i >= cnt) ? 1 : 0;
+            const int u = warp + SLICES * (i - m * cnt);
+            const int kk = (u << 6) + 16 * q;
+            uint32_t a[MT][4][4];                             // [m-tile][step j][fragment reg], as dec_body
+            const int rs = SR ? 0 : r;
+            if (SR) {                                         // item i's group landed: i + 1 .. i + R - 1 may pend
+                cp_async_wait_m<R - 1>();
+                const uint4 *sp = sslot(r);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+#pragma unroll
+                        for (int v = 0; v < WV; ++v) wsl[0][mt][h][v] = sp[((mt * 2 + h) * WV + v) * 32];
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (FMT == FMT_BF16) {
+                    const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wsl[rs][mt][0][0]);
+                    const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wsl[rs][mt][1][0]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        a[mt][j][0] = rgw[2 * j]; a[mt][j][1] = rhw[2 * j];
+                        a[mt][j][2] = rgw[2 * j + 1]; a[mt][j][3] = rhw[2 * j + 1];
+                    }
+                } else {
+                    const uint32_t rgw[4] = {wsl[rs][mt][0][0].x, wsl[rs][mt][0][0].y, wsl[rs][mt][0][0].z, wsl[rs][mt][0][0].w};
+                    const uint32_t rhw[4] = {wsl[rs][mt][1][0].x, wsl[rs][mt][1][0].y, wsl[rs][mt][1][0].z, wsl[rs][mt][1][0].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        e4m3x4_to_bf16x4(rgw[j], a[mt][j][0], a[mt][j][2]);
+                        e4m3x4_to_bf16x4(rhw[j], a[mt][j][1], a[mt][j][3]);
+                    }
+                }
+            }
+            const float bs = FMT == FMT_FP8BLK ? bsl[r] : 0.f;
+            load(i + R, wsl[rs], bsl[r], sslot(r));           // refill the slot now (no-op past the end)
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int t = t0 + 8 * n + g;                 // the lane's token (B column g) of tile n
+                const uint4 z = make_uint4(0, 0, 0, 0);
+                const bool ok = kk < K && t < T;
+                const uint4 x0 = ok ? ldg16(X + (size_t)t * K + kk) : z;       // columns 16q .. 16q+7
+                const uint4 x1 = ok ? ldg16(X + (size_t)t * K + kk + 8) : z;   // columns 16q+8 .. 16q+15
+                const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (M == 2 && m) mma_unit<FMT>(acc[M - 1][mt][n], a[mt], xw, bs);   // static indices only
+                    else mma_unit<FMT>(acc[0][mt][n], a[mt], xw, bs);
+                }
+            }
+        }
+    }
+
+    // fixed-order reduction of the 8 slices per job, then scale / round / store (dec_body's, per m-tile)
+    constexpr int EL = MT * NT * 4 * 32;                      // D elements per job in the CTA
+    constexpr int PER = (EL + SLICES * 32 - 1) / (SLICES * 32);
+    float v[M][PER];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) red[warp][(mt * NT + n) * 4 + i][lane] = acc[m][mt][n][i];
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int idx = threadIdx.x + k * SLICES * 32;
+            float s = 0.f;
+            if (idx < EL) {
+                const int e = idx >> 5, l = idx & 31;
+                s = red[0][e][l];
+#pragma unroll
+                for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
+            }
+            v[m][k] = s;
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int idx = threadIdx.x + k * SLICES * 32;
+        if (idx >= EL) break;
+        const int e = idx >> 5, l = idx & 31;
+        const int mt = e / (NT * 4), e2 = e - mt * (NT * 4);  // e = (mt * NT + n) * 4 + i
+        const int row = row0 + 16 * mt + (l >> 2) + ((e2 & 2) ? 8 : 0);
+        const int tok = t0 + 8 * (e2 >> 2) + 2 * (l & 3) + (e2 & 1);
+        if (row < N && tok < T) store_out<FMT, F32OUT, GELU>(p0, p1, v[0][k], v[M - 1][k], row, tok);
+    }
+}
+
 // --- prefill tile (T > 64): the same per-output arithmetic, W and X staged in shared memory --------------
 // The decode family re-reads X from L2 for every 16 rows, which caps it far below the tensor cores at large
 // T. This kernel computes a 64-row x 32-token tile per CTA: 8 warps as 4 (16 rows) x 2 (16 tokens), every
@@ -540,3 +747,32 @@ LINEAR_FAMILY(gemm_bf16_f32, FMT_BF16, true, false)        // bf16 weights, f32 
 LINEAR_FAMILY(gelu_fp8_bf16, FMT_FP8, false, true)         // gate/up -> act, FP8 tensor / channel
 LINEAR_FAMILY(gelu_fp8blk_bf16, FMT_FP8BLK, false, true)   // gate/up -> act, FP8 128x128 blocks
 LINEAR_FAMILY(gelu_bf16_bf16, FMT_BF16, false, true)       // gate/up -> act, bf16 weights
+
+// Speed variants of the decode family (dec2_body: same bits as `_t*`, see there). Named <family>_<v>, v =
+// [s]n<NT>m<MT>r<R>b<MINB>[t]: s = weight ring in shared memory (cp.async; dynamic smem
+// R * 8 * MT * 2 * WV * 512 B, WV = 1 fp8 / 2 bf16) else in registers (no dynamic smem), 8*NT tokens x 16*MT rows
+// per CTA, R weight items in flight per warp, __launch_bounds__ min blocks MINB, t = token tile fastest in the
+// grid (grid (ceil(T/(8*NT)), row tiles) instead of (row tiles, ceil(T/(8*NT)))). layers/linear.py
+// DECODE_VARIANT picks them; the default launcher does not.
+#define DEC2_KERNEL(name, FMT, NT, MT, F32OUT, GELU, R, MINB, TF, SR)                                        \
+    extern "C" __global__ void __launch_bounds__(SLICES * 32, MINB) name(LIN_PARAMS) {                       \
+        const Proj p[4] = {LIN_PROJS};                                                                       \
+        dec2_body<FMT, NT, MT, F32OUT, GELU, R, TF, SR>(X, T, K, p[0], p[1], p[2], p[3]);                    \
+    }
+#define DEC2_FP8(prefix, GELU)                                                                                 \
+    DEC2_KERNEL(prefix##_n4m1r4b2t, FMT_FP8, 4, 1, false, GELU, 4, 2, true, false)                            \
+    DEC2_KERNEL(prefix##_sn1m1r8b3, FMT_FP8, 1, 1, false, GELU, 8, 3, false, true)                            \
+    DEC2_KERNEL(prefix##_sn2m1r8b3, FMT_FP8, 2, 1, false, GELU, 8, 3, false, true)                            \
+    DEC2_KERNEL(prefix##_sn2m1r5b4, FMT_FP8, 2, 1, false, GELU, 5, 4, false, true)                            \
+    DEC2_KERNEL(prefix##_sn4m1r6b2t, FMT_FP8, 4, 1, false, GELU, 6, 2, true, true)                            \
+    DEC2_KERNEL(prefix##_sn8m1r4b2, FMT_FP8, 8, 1, false, GELU, 4, 2, false, true)
+DEC2_FP8(gemm_fp8_bf16, false)
+DEC2_KERNEL(gemm_fp8_bf16_n2m1r8b2, FMT_FP8, 2, 1, false, false, 8, 2, false, false)
+DEC2_FP8(gelu_fp8_bf16, true)
+DEC2_KERNEL(gemm_fp8_bf16_sn4m2r4b2t, FMT_FP8, 4, 2, false, false, 4, 2, true, true)
+DEC2_KERNEL(gemm_bf16_f32_n4m1r2b2t, FMT_BF16, 4, 1, true, false, 2, 2, true, false)
+DEC2_KERNEL(gemm_bf16_f32_sn1m1r4b3, FMT_BF16, 1, 1, true, false, 4, 3, false, true)
+DEC2_KERNEL(gemm_bf16_f32_sn2m1r4b3, FMT_BF16, 2, 1, true, false, 4, 3, false, true)
+DEC2_KERNEL(gemm_bf16_f32_sn2m1r6b2, FMT_BF16, 2, 1, true, false, 6, 2, false, true)
+DEC2_KERNEL(gemm_bf16_f32_sn4m1r4b2t, FMT_BF16, 4, 1, true, false, 4, 2, true, true)
+DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, true)

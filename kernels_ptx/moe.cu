@@ -202,8 +202,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
 }
 
 // ===================================================================================================
-// Tensor-core NVFP4 experts (v2). These replace moe_gate_up_nvfp4* / moe_down_nvfp4* in the launcher (the old
-// kernels above stay only for the existing per-kernel timing test; the new path never calls them).
+// Tensor-core NVFP4 experts.
 //
 // ONE per-output arithmetic for every T and every launch path (decode "direct" and grouped/prefill):
 //   acc = fp32 (IEEE, RN) sum over the 128-column super units in ascending order, from 0, of each unit's
@@ -213,9 +212,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
 //   = fp32 sum over the token's slots in increasing expert index from 0, one bf16 rounding).
 // Weight rows are the mma M dimension (16 rows per m-tile), token rows the N dimension (8 per n-tile; absent
 // tokens are zero columns: a D element depends only on its own A row and B column, so padding / the other
-// tokens in the tile cannot change a real token's bits). There is NO split-K: each output element is one
-// warp's sequential computation (unit partials in ascending K, added in order), so the tiling (rows per warp,
-// tokens per CTA, which kernel) changes nothing.
+// tokens in the tile cannot change a real token's bits). The unit partials are independent chains, so a kernel
+// may compute them in different warps (the direct path does) as long as they are then added in ascending K
+// from 0 as above: the tiling (rows per warp, units per warp, tokens per CTA, which kernel) changes nothing.
 //
 // K order (the same for A and B, so the product is the plain dot product, summed in a fixed order):
 //   super unit su = 128 columns [128su, 128su+128), ascending; lane (g = lane/4, q = lane%4) owns the 32
@@ -456,11 +455,71 @@ __device__ __forceinline__ float gate_up_out(float accg, float accu, const float
 }
 
 // ---------------------------------------------------------------------------------------------------
-// DIRECT path (small T, no grouping): one CTA per (16 intermediate rows, pair p = t*k + s).
-//   u[p, n] = bf16(gelu(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up)),  e = idx[p]  (u in PAIR order)
-// grid (I/16, P), block 64: warp 0 = gate rows, warp 1 = up rows (16 each, MT = 1, D = 8 super units in
-// flight per warp); x[t] staged in dynamic shared (H bf16). Pairs with e outside [0, E) are skipped.
-extern "C" __global__ void __launch_bounds__(64) moe_gate_up_direct(
+// DIRECT path (small T, no grouping), v3: split-K over WARPS with the block partials kept apart. The per-output
+// arithmetic is exactly nvfp4_mma_run's (MT = NT = 1): super unit su's partial is its own 8-step mma chain from
+// a zero accumulator with the same A / B operands (token column 0 = the pair's token, columns 1..7 zero), and
+// the output's fp32 accumulator is acc = 0.f; acc = __fadd_rn(acc, part[su]) for su = 0, 1, .., nsu-1 (the
+// same IEEE adds in the same order, starting from +0.0f), only done by one thread from shared memory after the
+// warps have stored their units' partials. So the bits equal the grouped path's (and the v2 direct kernels').
+
+// One super unit's partial of a 16-row m-tile against the (single) token row of src: part = mma chain over the
+// unit's 8 k16 steps from zero, the same operand order as nvfp4_mma_run (word m -> steps 2m, 2m+1). Ring slot r
+// holds unit su.
+template <int D>
+__device__ __forceinline__ void direct_unit_partial(float (&part)[4], const WRing<1, D>& wr, int r, const SrcRows& src,
+                                                    int su, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    uint32_t S[2][2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) scales_bf16x2(wr.s[r][0][h], S[h][0], S[h][1]);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) part[i] = 0.f;
+    #pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        uint32_t a[2][4], rg[4], rh[4];
+        fp4x8_bf16(u4word(wr.w[r][0][0], m), S[0][m >> 1], rg);
+        fp4x8_bf16(u4word(wr.w[r][0][1], m), S[1][m >> 1], rh);
+        a[0][0] = rg[0]; a[0][1] = rh[0]; a[0][2] = rg[1]; a[0][3] = rh[1];
+        a[1][0] = rg[2]; a[1][1] = rh[2]; a[1][2] = rg[3]; a[1][3] = rh[3];
+        const uint4 bv = src.b(g, su, 4 * q + m);
+        mma_bf16_16816(part, a[0], bv.x, bv.y);
+        mma_bf16_16816(part, a[1], bv.z, bv.w);
+    }
+}
+
+// A warp's share of the super units of one 16-row m-tile: units j, j+S, j+2S, .. (< nsu), D of them in flight
+// in the ring (slot i % D holds the warp's i-th unit, refilled with its (i+D)-th). Unit su's partial for rows
+// g, g+8 (token column 0 = lanes q == 0: d0, d2) goes to pbuf[su*16 + g], pbuf[su*16 + g + 8].
+template <int D>
+__device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, float* pbuf, int lane, WRing<1, D>& ring) {
+    const int g = lane >> 2, q = lane & 3;
+    const int nsu = ring.nsu;
+    const int my_n = j < nsu ? (nsu - 1 - j) / S + 1 : 0;
+    for (int i0 = 0; i0 < my_n; i0 += D) {
+        #pragma unroll
+        for (int r = 0; r < D; ++r) {
+            const int i = i0 + r;
+            if (i >= my_n) break;                                    // uniform over the warp
+            const int su = j + S * i;
+            float part[4];
+            direct_unit_partial<D>(part, ring, r, src, su, lane);
+            if (q == 0) { pbuf[su * 16 + g] = part[0]; pbuf[su * 16 + g + 8] = part[2]; }
+            ring.load(r, su + S * D);                                // the warp's (i+D)-th unit (zeros past nsu)
+        }
+    }
+}
+
+// gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per
+// projection: warp w computes projection w / S (0 gate, 1 up) over the super units j, j+S, .. (j = w % S), D = 3
+// of them in flight, storing each unit's partial; then thread n (< 16) sums row n's partials in increasing unit
+// order from 0 for both projections and writes
+//   u[p, n0+n] = bf16(gelu(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up)),  e = idx[p]  (u in PAIR order).
+// grid (I/16, P), block 64*S (launcher: S = 4 -> 256 threads, 8 warps; 352 CTAs at T=1, all resident at 3 per
+// SM; each warp <= 6 units of the 22 at H = 2816, 3 loads of 1 KB + scales in flight). x[t] staged in dynamic
+// shared (H bf16), then the partials (2 * nsu * 16 fp32): dynamic shared = 2*H + 128*nsu bytes, nsu =
+// ceil(H/128). Pairs with e outside [0, E) are skipped.
+#define GU_DIRECT_D 3
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_direct(
     const bf16* __restrict__ x,          // (T, H)
     const int* __restrict__ idx,         // (T, k)
     const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
@@ -470,40 +529,49 @@ extern "C" __global__ void __launch_bounds__(64) moe_gate_up_direct(
     int H, int I, int k, int E)
 {
     extern __shared__ __align__(16) unsigned char smem_gud[];
-    __shared__ float gbuf[16];
     const int p = blockIdx.y, e = idx[p];
     if (e < 0 || e >= E) return;                                  // uniform over the CTA
-    const int t = p / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int n0 = blockIdx.x * 16;
-    const size_t row = (size_t)e * I + n0 + g;
-    const uint8_t* const wrow[1] = {(warp ? uw : gw) + row * (H >> 1)};
-    const uint8_t* const srow[1] = {(warp ? us : gs) + row * (H >> 4)};
-    WRing<1, 8> ring;
+    const int t = p / k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int S = blockDim.x >> 6, proj = warp / S, j = warp - proj * S;
+    const int n0 = blockIdx.x * 16, nsu = (H + 127) >> 7;
+    float* pbuf = (float*)(smem_gud + 2 * (size_t)H);             // [2][nsu][16] fp32 partials (2H % 16 == 0)
+    const size_t row = (size_t)e * I + n0 + (lane >> 2);
+    const uint8_t* const wrow[1] = {(proj ? uw : gw) + row * (H >> 1)};
+    const uint8_t* const srow[1] = {(proj ? us : gs) + row * (H >> 4)};
+    WRing<1, GU_DIRECT_D> ring;
     ring.init(wrow, srow, H, lane);
-    ring.prologue();                                              // weight loads in flight before the x copy
+    #pragma unroll
+    for (int r = 0; r < GU_DIRECT_D; ++r) ring.load(r, j + S * r);   // weight loads in flight before the x copy
     const uint4* xr = (const uint4*)(x + (size_t)t * H);
     for (int i = threadIdx.x; i < (H >> 3); i += blockDim.x) ((uint4*)smem_gud)[i] = xr[i];
     __syncthreads();
-    SrcRows src{smem_gud, 2 * H, 1, H};
-    float acc[1][1][4];
-    nvfp4_mma_run<1, 1, 8>(acc, ring, src, lane);
-    // token column 0 = lanes q == 0: d0 row g, d2 row g+8
-    const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
-    const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
-    if (warp == 0 && q == 0) { gbuf[g] = apply_global(acc[0][0][0], gg); gbuf[g + 8] = apply_global(acc[0][0][2], gg); }
+    const SrcRows src{smem_gud, 2 * H, 1, H};
+    direct_units<GU_DIRECT_D>(src, j, S, pbuf + (size_t)proj * nsu * 16, lane, ring);
     __syncthreads();
-    if (warp == 1 && q == 0) {
-        bf16* ur = u + (size_t)p * I + n0;
-        ur[g] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(gbuf[g]), apply_global(acc[0][0][0], gu)));
-        ur[g + 8] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(gbuf[g + 8]), apply_global(acc[0][0][2], gu)));
+    if (threadIdx.x < 16) {
+        const int n = threadIdx.x;
+        float accg = 0.f, accu = 0.f;                             // nvfp4_mma_run's acc: from 0, units ascending
+        #pragma unroll 8
+        for (int su = 0; su < nsu; ++su) {
+            accg = __fadd_rn(accg, pbuf[su * 16 + n]);
+            accu = __fadd_rn(accu, pbuf[(nsu + su) * 16 + n]);
+        }
+        const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
+        const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
+        u[(size_t)p * I + n0 + n] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(apply_global(accg, gg)), apply_global(accu, gu)));
     }
 }
 
-// DIRECT down + combine: one CTA per (16 output rows, token t); warp s computes the token's s-th slot in
-// increasing expert index (the combine order), o = bf16((down_e . u[p] / g_down) * w[p]) for its 16 rows; then
-// out[t, n] = bf16(sum_s f32(o_s)) in that order from 0 (exactly moe_combine_bf16's arithmetic).
-// grid (H/16, T), block 32*k (k <= 16); dynamic shared k*I bf16 (the token's u rows).
-extern "C" __global__ void __launch_bounds__(512) moe_down_combine_direct(
+// down + combine, DIRECT: one CTA per (16 output rows n0.., token t), S = blockDim.x / (32 k) warps per slot:
+// warp w serves the token's (w / S)-th valid slot in increasing expert index (the combine order) over the super
+// units j, j+S, .. (j = w % S) of K = I, D = 2 in flight, storing each unit's partial. Then thread (r, n) (r <
+// nvalid, n < 16) sums slot r's row-n partials in increasing unit order from 0 -> o = bf16((acc / g_down) * w[p])
+// and thread n (< 16) adds the slots in order from 0: out[t, n0+n] = bf16(sum_r f32(o_r)) (moe_combine_bf16's
+// arithmetic). grid (H/16, T), block 32*k*S (launcher: S = 2 at k = 8 -> 512 threads, 16 warps; 176 CTAs at
+// T = 1, up to 2 per SM (64 registers); each warp 3 of the 6 units at I = 704, D = 2 in flight). Dynamic shared:
+// k*I bf16 (the token's u rows, slot rank order) + k*nsu*16 fp32 partials, nsu = ceil(I/128).
+#define DN_DIRECT_D 2
+extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     const bf16* __restrict__ u,          // (P, I) pair order
     const int* __restrict__ idx,         // (T, k)
     const float* __restrict__ weights,   // (T, k)
@@ -517,7 +585,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_down_combine_direct(
     __shared__ int nvalid;
     __shared__ float vals[MAX_K][16];
     const int t = blockIdx.y, n0 = blockIdx.x * 16;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int S = blockDim.x / (32 * k), sr = warp / S, j = warp - sr * S;
+    const int nsu = (I + 127) >> 7;
+    float* pbuf = (float*)(smem_dd + 2 * (size_t)k * I);          // [k][nsu][16] fp32 partials (2kI % 32 == 0)
     if (threadIdx.x == 0) {
         int cnt = 0, last = -1;
         for (int r = 0; r < k; ++r) {
@@ -532,32 +603,43 @@ extern "C" __global__ void __launch_bounds__(512) moe_down_combine_direct(
         nvalid = cnt;
     }
     __syncthreads();
-    if (warp < nvalid) {                                          // warp-uniform; no CTA barrier inside
-        const int p = t * k + order[warp], e = idx[p];
-        const size_t row = (size_t)e * H + n0 + g;
-        const uint8_t* const wrow[1] = {dw + row * (I >> 1)};
-        const uint8_t* const srow[1] = {ds + row * (I >> 4)};
-        WRing<1, 6> ring;
+    const int nv = nvalid;
+    const bool live = sr < nv;                                    // warp-uniform
+    WRing<1, DN_DIRECT_D> ring;
+    const uint8_t* wrow[1] = {dw};
+    const uint8_t* srow[1] = {ds};
+    if (live) {
+        const int e = idx[t * k + order[sr]];
+        const size_t row = (size_t)e * H + n0 + (lane >> 2);
+        wrow[0] = dw + row * (I >> 1);
+        srow[0] = ds + row * (I >> 4);
         ring.init(wrow, srow, I, lane);
-        ring.prologue();
-        unsigned char* ur = smem_dd + (size_t)warp * I * 2;
-        const uint4* src_u = (const uint4*)(u + (size_t)p * I);
-        for (int i = lane; i < (I >> 3); i += 32) ((uint4*)ur)[i] = src_u[i];
-        __syncwarp();
-        SrcRows src{ur, 2 * I, 1, I};
-        float acc[1][1][4];
-        nvfp4_mma_run<1, 1, 6>(acc, ring, src, lane);
-        if (q == 0) {
-            const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
-            const float w = weights[p];
-            vals[warp][g] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(apply_global(acc[0][0][0], gd), w)));
-            vals[warp][g + 8] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(apply_global(acc[0][0][2], gd), w)));
-        }
+        #pragma unroll
+        for (int r = 0; r < DN_DIRECT_D; ++r) ring.load(r, j + S * r);
+    }
+    // the valid slots' u rows -> shared, slot rank r at r*I (all threads)
+    for (int i = threadIdx.x; i < nv * (I >> 3); i += blockDim.x) {
+        const int r = i / (I >> 3), c = i - r * (I >> 3);
+        ((uint4*)(smem_dd + (size_t)r * I * 2))[c] = ((const uint4*)(u + ((size_t)t * k + order[r]) * I))[c];
+    }
+    __syncthreads();
+    if (live) {
+        const SrcRows src{smem_dd + (size_t)sr * I * 2, 2 * I, 1, I};
+        direct_units<DN_DIRECT_D>(src, j, S, pbuf + (size_t)sr * nsu * 16, lane, ring);
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 * nv) {
+        const int r = threadIdx.x >> 4, n = threadIdx.x & 15;
+        const int p = t * k + order[r], e = idx[p];
+        float acc = 0.f;                                          // nvfp4_mma_run's acc: from 0, units ascending
+        for (int su = 0; su < nsu; ++su) acc = __fadd_rn(acc, pbuf[(r * nsu + su) * 16 + n]);
+        const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
+        vals[r][n] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(apply_global(acc, gd), weights[p])));
     }
     __syncthreads();
     if (threadIdx.x < 16) {
         float a = 0.f;
-        for (int r = 0; r < nvalid; ++r) a += vals[r][threadIdx.x];
+        for (int r = 0; r < nv; ++r) a += vals[r][threadIdx.x];
         out[(size_t)t * H + n0 + threadIdx.x] = __float2bfloat16_rn(a);
     }
 }

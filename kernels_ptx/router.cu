@@ -85,35 +85,55 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
     }
 }
 
-// grid (ceil(E/EW), ceil(T/RT)), block 32*EW = 128. Warp w of CTA (bx, by) computes the logits of expert
-// e = bx*EW + w for tokens by*RT .. +RT-1 (lane c-chunks: columns 8c..8c+7, c = lane, lane+32, ...; two fmaf
-// per bf16 pair, low half first), writes them to logits (T, E); the last CTA of token group `by` to arrive
-// (counters[by], an int zeroed once at allocation and reset here by that CTA) runs the top-k of its tokens.
+// grid (ceil(E/EW), ceil(T/RT)), block 32*EW, EW = blockDim.x / 32 experts per CTA (1..4; the launcher picks EW
+// = 1 when T <= RT: 128 one-warp CTAs at E = 128, so every expert row streams from its own warp at once; else 4).
+// Warp w of CTA (bx, by) computes the logits of expert e = bx*EW + w for tokens by*RT .. +RT-1 (lane c-chunks:
+// columns 8c..8c+7, c = lane, lane+32, ... ascending; two fmaf per bf16 pair, low half first; a lane's
+// chunks are loaded RU at a time (all 11 at H = 2816) before its FMAs, which run in the same order as ever), writes
+// them to logits (T, E); the last CTA of token group `by` to arrive (counters[by], an int zeroed once at
+// allocation and reset here by that CTA) runs the top-k of its tokens (warp w: tokens w, w+EW, ..). Neither EW nor
+// RU changes a bit: each logit is the same per-lane fmaf chain and butterfly, the top-k reads only its token.
 // Needs H % 8 == 0, 16-byte aligned r / proj rows, E <= 256, k <= 16.
+#define RU 12            // chunks per lane in flight (H <= 8*32*RU = 3072 in one batch)
 extern "C" __global__ void __launch_bounds__(128) router_bf16(
     const bf16* __restrict__ r, const bf16* __restrict__ proj, const float* __restrict__ pes,
     float* logits, int* counters, float* __restrict__ weights, int* __restrict__ idx, int T, int H, int E, int k) {
     __shared__ int last;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * EW + warp, t0 = blockIdx.y * RT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ew = blockDim.x >> 5;
+    const int e = blockIdx.x * ew + warp, t0 = blockIdx.y * RT;
     if (e < E) {
         const bf16* pr = proj + (size_t)e * H;
+        const int nc = H / 8;
         float acc[RT];
 #pragma unroll
         for (int tt = 0; tt < RT; ++tt) acc[tt] = 0.f;
-#pragma unroll 4
-        for (int c = lane; c < H / 8; c += 32) {
-            const uint4 wv = __ldg(reinterpret_cast<const uint4*>(pr + 8 * c));
-            const uint32_t wa[4] = {wv.x, wv.y, wv.z, wv.w};
+        for (int cb = lane; cb < nc; cb += 32 * RU) {
+            uint4 wv[RU];
+#pragma unroll
+            for (int u = 0; u < RU; ++u) {
+                const int c = cb + 32 * u;
+                wv[u] = c < nc ? __ldg(reinterpret_cast<const uint4*>(pr + 8 * c)) : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
             for (int tt = 0; tt < RT; ++tt) {
                 if (t0 + tt >= T) break;
-                const uint4 xv = __ldg(reinterpret_cast<const uint4*>(r + (size_t)(t0 + tt) * H + 8 * c));
-                const uint32_t xa[4] = {xv.x, xv.y, xv.z, xv.w};
+                const bf16* rr = r + (size_t)(t0 + tt) * H;
+                uint4 xv[RU];
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    acc[tt] = fmaf(bits_lo(wa[q]), bits_lo(xa[q]), acc[tt]);
-                    acc[tt] = fmaf(bits_hi(wa[q]), bits_hi(xa[q]), acc[tt]);
+                for (int u = 0; u < RU; ++u) {
+                    const int c = cb + 32 * u;
+                    xv[u] = c < nc ? __ldg(reinterpret_cast<const uint4*>(rr + 8 * c)) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < RU; ++u) {
+                    if (cb + 32 * u >= nc) break;                  // chunks in ascending c, as one plain loop
+                    const uint32_t wa[4] = {wv[u].x, wv[u].y, wv[u].z, wv[u].w};
+                    const uint32_t xa[4] = {xv[u].x, xv[u].y, xv[u].z, xv[u].w};
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        acc[tt] = fmaf(bits_lo(wa[q]), bits_lo(xa[q]), acc[tt]);
+                        acc[tt] = fmaf(bits_hi(wa[q]), bits_hi(xa[q]), acc[tt]);
+                    }
                 }
             }
         }
@@ -130,7 +150,8 @@ extern "C" __global__ void __launch_bounds__(128) router_bf16(
     if (!last) return;
     __threadfence();
     if (threadIdx.x == 0) counters[blockIdx.y] = 0;        // ready for the next launch (graph replays)
-    const int t = t0 + warp;
-    if (warp < RT && t < T)
-        topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+    for (int tt = warp; tt < RT; tt += ew) {
+        const int t = t0 + tt;
+        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+    }
 }

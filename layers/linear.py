@@ -4,6 +4,7 @@
 bytes do not depend on T or on the other rows of the batch (see the header there for the fixed K order).
 The numpy reference is checkpoint.dequantize(raw) in float64 against bf16-rounded x (tests_parts/test_gpu_linear.py).
 """
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,29 @@ P_SMEM = {'bf16': 55296, 'fp8': 34816}  # prefill dynamic smem bytes (4 stages, 
 PREFILL_MIN_T = 65                      # T from which the `_p` tile runs (same bits; None = decode family always)
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
+
+# Decode-family speed variants (linear.cu dec2_body: the same per-output arithmetic, so the same bits as the
+# default `_t*` kernels; only the data movement differs). DECODE_VARIANT picks, per token bucket (T <= 8 / 16 /
+# 32 / 64), a kernel suffix; 't16' (default) is the `_t*` path below. Variant kernels exist for gemm_fp8_bf16,
+# gelu_fp8_bf16 and gemm_bf16_f32 only (other families, and buckets a variant leaves out, take the default).
+# Suffix [s]n<NT>m<MT>r<R>b<MINB>[t]: s = weight ring in smem, 8*NT tokens x 16*MT rows per CTA, t = token tile
+# fastest in the grid.
+DECODE_VARIANT = 't16'
+_S8 = {8: 'sn1m1r8b3', 16: 'sn2m1r8b3', 32: 'sn4m1r6b2t', 64: 'sn8m1r4b2'}
+DECODE_VARIANTS = {         # variant -> family -> {max T: suffix (None: the default kernel)}, smallest key >= T
+    't16': {},
+    'reg': {'gemm_fp8_bf16': {16: 'n2m1r8b2', 64: 'n4m1r4b2t'},
+            'gelu_fp8_bf16': {16: None, 64: 'n4m1r4b2t'},
+            'gemm_bf16_f32': {16: None, 64: 'n4m1r2b2t'}},
+    's8': {'gemm_fp8_bf16': _S8, 'gelu_fp8_bf16': _S8,
+           'gemm_bf16_f32': {8: 'sn1m1r4b3', 16: 'sn2m1r4b3', 32: 'sn4m1r4b2t', 64: 'sn8m1r3b1'}},
+    's5': {'gemm_fp8_bf16': {16: 'sn2m1r5b4', 64: 'sn4m1r6b2t'},
+           'gelu_fp8_bf16': {16: 'sn2m1r5b4', 64: 'sn4m1r6b2t'},
+           'gemm_bf16_f32': {16: 'sn2m1r6b2', 64: 'sn4m1r4b2t'}},
+    'm2': {'gemm_fp8_bf16': {16: 'sn2m1r8b3', 64: 'sn4m2r4b2t'},
+           'gelu_fp8_bf16': {16: 'sn2m1r8b3', 64: 'sn4m1r6b2t'},
+           'gemm_bf16_f32': {16: 'sn2m1r4b3', 64: 'sn4m1r4b2t'}},
+}
 
 
 # --- GPU ---
@@ -58,6 +82,22 @@ def _nt_suffix(t):
     return next(c for c in (8, 16, 32) if t <= c and c >= DECODE_NT_MIN) if t <= 32 else 64
 
 
+def _variant_of(kernel, t):
+    """(suffix, tokens per CTA, rows per CTA, token tile fastest, dynamic smem bytes) of DECODE_VARIANT's kernel
+    for `kernel` at T = t, or None (default path)."""
+    table = DECODE_VARIANTS[DECODE_VARIANT].get(kernel)
+    if not table:
+        return None
+    bucket = next((c for c in sorted(table) if t <= c), None)
+    suf = None if bucket is None else table[bucket]
+    if suf is None:
+        return None
+    nt, mt, r = (int(v) for v in re.fullmatch(r's?n(\d+)m(\d+)r(\d+)b\d+t?', suf).groups())
+    wv = 2 if kernel.split('_')[1] == 'bf16' else 1                      # 16-byte pieces per W row per unit
+    smem = r * 8 * mt * 2 * wv * 512 if suf.startswith('s') else 0      # linear.cu dec2_body SR ring
+    return suf, 8 * nt, ROWS * mt, suf.endswith('t'), smem
+
+
 def _kernel_of(w, f32=False):
     """Kernel family of a GpuLinear ('gemm_fp8_bf16', ...) and its s_arg (linear.cu: tensor 0 / channel 1 /
     block ceil(K/128) / bf16 0)."""
@@ -83,6 +123,14 @@ def _launch(g, kernel, x, projs, gelu=False):
         tiles = -(-rows[0] // P_ROWS) if gelu else sum(-(-n // P_ROWS) for n in rows)
         g.launch(f, grid=(tiles, -(-t // P_TOK), 1), block=(THREADS, 1, 1), args=args,
                  shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, pdl=True)
+        return
+    v = _variant_of(kernel, t)
+    if v is not None:                                        # DECODE_VARIANT (same bits, other data movement)
+        suf, tok, rt, tf, shared = v
+        f = g.module('linear').function(f'{kernel}_{suf}')
+        tiles = -(-rows[0] // rt) if gelu else sum(-(-n // rt) for n in rows)
+        grid = (-(-t // tok), tiles, 1) if tf else (tiles, -(-t // tok), 1)
+        g.launch(f, grid=grid, block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes, pdl=True)
         return
     nt = _nt_suffix(t)
     shared = min(t, 8) * (k + 8) * 2 if nt == 8 else 0      # _t8 stages X in smem

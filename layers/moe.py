@@ -145,7 +145,8 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
         r = g.view(workspace["r"], 0, (T, H), bf)
         router_input_gpu(g, h, router["router_scale"], r, eps, H ** -0.5)
     _check(r, (T, H), bf, "r")
-    g.launch(g.module("router").function("router_bf16"), grid=((E + 3) // 4, (T + 3) // 4), block=(128,),
+    ew = 1 if T <= 4 else 4          # experts (warps) per CTA: one-warp CTAs for decode (router.cu; bits unchanged)
+    g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4), block=(32 * ew,),
              args=[r, router["router_proj"], router["router_pes"], logits, counters, weights, idx, T, H, E, top_k],
              nbytes=E * H * 2)
 
@@ -190,12 +191,13 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
     """The expert launches of one call as [(name, thunk)] (moe_gpu runs them in order; the timing test captures
     them one by one)."""
     H, I = ex["H"], ex["I"]
-    direct_fits = H * 2 <= _DIRECT_SMEM and k * I * 2 <= _DIRECT_SMEM
+    direct_fits = max(_direct_shared(H, I, k)) <= _DIRECT_SMEM
     if path is None:
         path = "direct" if T <= DIRECT_MAX_T and direct_fits else "grouped"
     if path == "direct":
         if not direct_fits:
-            raise ValueError(f"moe_gpu: direct path needs 2*H and 2*k*I <= {_DIRECT_SMEM} (H={H}, k={k}, I={I})")
+            raise ValueError(f"moe_gpu: direct path needs 2*H + 128*ceil(H/128) and 2*k*I + 64*k*ceil(I/128) <= "
+                             f"{_DIRECT_SMEM} (H={H}, k={k}, I={I})")
         return _experts_direct(g, x, weights, idx, ex, out, ws, T, k)
     if path == "grouped":
         return _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt)
@@ -207,13 +209,15 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
 # do not depend on T, on the path, on NT or on the other tokens (tests_parts/test_gpu_moe_v2.py checks it).
 #   direct  (T <= DIRECT_MAX_T, 2 launches): moe_gate_up_direct, one CTA per (16 rows of I, pair), u in pair
 #           order; moe_down_combine_direct, one CTA per (16 rows of H, token), the token's k slots in its warps,
-#           combined in increasing expert index in shared memory. No grouping: at tiny T tokens rarely share an
+#           combined in increasing expert index in shared memory. In both, the 128-column K units of one output
+#           tile are spread over several warps (_direct_split); each unit's mma chain is kept apart in shared memory
+#           and one thread per output adds them from 0 in increasing unit order: the grouped path's exact bits. No grouping: at tiny T tokens rarely share an
 #           expert (a shared one is read twice, mostly from L2).
 #   grouped (4 launches): moe_group_tiles (stable counting sort by expert + tiles of 8*NT positions) ->
 #           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
 #           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
 DIRECT_MAX_T = 4
-_DIRECT_SMEM = 40 * 1024          # dynamic shared of the direct kernels stays under the 48 KiB default
+_DIRECT_SMEM = 44 * 1024          # dynamic shared of the direct kernels (+ ~1.1 KiB static) under the 48 KiB default
 _NT_CHOICES = (1, 2, 4, 8)
 
 
@@ -223,16 +227,32 @@ def _pick_nt(P, E):
     return 1 if avg <= 10 else 2 if avg <= 20 else 4 if avg <= 40 else 8
 
 
+def _direct_shared(H, I, k):
+    """Dynamic shared bytes of (moe_gate_up_direct, moe_down_combine_direct): the staged activation rows plus the
+    fp32 per-super-unit partials (2 projections x ceil(H/128) x 16 rows; k slots x ceil(I/128) x 16 rows)."""
+    return 2 * H + 128 * ((H + 127) // 128), 2 * k * I + 64 * k * ((I + 127) // 128)
+
+
+def _direct_split(H, I, k):
+    """Warps per projection (gate/up) and per slot (down) of the direct kernels: the K super units are spread over
+    them (each unit's partial kept apart, summed in order afterwards: the bits do not depend on it). gate/up: 4
+    (block 256: 8 warps, <= 6 of the 22 units each at H = 2816); down: 512 // (32k) (2 at k = 8: 3 of 6 units)."""
+    su_h, su_i = (H + 127) // 128, (I + 127) // 128
+    return max(1, min(4, su_h)), max(1, min(16 // k, su_i))
+
+
 def _experts_direct(g, x, weights, idx, ex, out, ws, T, k):
     E, H, I = ex["E"], ex["H"], ex["I"]
     P = T * k
     m = g.module("moe")
+    sh_gu, sh_dn = _direct_shared(H, I, k)
+    s_gu, s_dn = _direct_split(H, I, k)
     return [("gate_up_direct", lambda: g.launch(
-                m.function("moe_gate_up_direct"), grid=(I // 16, P), block=(64,),
-                args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=H * 2)),
+                m.function("moe_gate_up_direct"), grid=(I // 16, P), block=(64 * s_gu,),
+                args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=sh_gu)),
             ("down_combine_direct", lambda: g.launch(
-                m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k,),
-                args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=k * I * 2))]
+                m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k * s_dn,),
+                args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=sh_dn))]
 
 
 _GSTAGES = 3        # cp.async stages of the grouped kernels (GSTAGES in moe.cu)
