@@ -165,6 +165,22 @@ __device__ __forceinline__ float gelu_tanh_f(float x) {
     return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, t));
 }
 
+// The token's slots in increasing expert index (the reference's combine order; k is tiny, experts of one token
+// are distinct): order[0 .. n-1] = slot numbers, n returned; slots whose expert is outside [0, E) are left out.
+__device__ __forceinline__ int slots_by_expert(const int* __restrict__ idx_t, int k, int E, int* order) {
+    int cnt = 0, last = -1;
+    for (int r = 0; r < k; ++r) {
+        int best = -1, be = 0x7fffffff;
+        for (int s = 0; s < k; ++s) {
+            const int e = idx_t[s];
+            if (e >= 0 && e < E && e > last && e < be) { be = e; best = s; }
+        }
+        if (best < 0) break;
+        order[cnt++] = best; last = be;
+    }
+    return cnt;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // combine: out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index (the numpy reference's
 // order: experts visited in index order), of f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert
@@ -178,20 +194,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
     const int t = blockIdx.x;
-    if (threadIdx.x == 0) {
-        // selection by expert index (k tiny); experts of one token are distinct
-        int cnt = 0, last = -1;
-        for (int r = 0; r < k; ++r) {
-            int best = -1, be = 0x7fffffff;
-            for (int s = 0; s < k; ++s) {
-                const int e = idx[(size_t)t * k + s];
-                if (e >= 0 && e < E && e > last && e < be) { be = e; best = s; }
-            }
-            if (best < 0) break;
-            order[cnt++] = best; last = be;
-        }
-        nvalid = cnt;
-    }
+    if (threadIdx.x == 0) nvalid = slots_by_expert(idx + (size_t)t * k, k, E, order);
     __syncthreads();
     const int n = blockIdx.y * blockDim.x + threadIdx.x;
     if (n >= H) return;
@@ -589,19 +592,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     const int S = blockDim.x / (32 * k), sr = warp / S, j = warp - sr * S;
     const int nsu = (I + 127) >> 7;
     float* pbuf = (float*)(smem_dd + 2 * (size_t)k * I);          // [k][nsu][16] fp32 partials (2kI % 32 == 0)
-    if (threadIdx.x == 0) {
-        int cnt = 0, last = -1;
-        for (int r = 0; r < k; ++r) {
-            int best = -1, be = 0x7fffffff;
-            for (int s = 0; s < k; ++s) {
-                const int e = idx[(size_t)t * k + s];
-                if (e >= 0 && e < E && e > last && e < be) { be = e; best = s; }
-            }
-            if (best < 0) break;
-            order[cnt++] = best; last = be;
-        }
-        nvalid = cnt;
-    }
+    if (threadIdx.x == 0) nvalid = slots_by_expert(idx + (size_t)t * k, k, E, order);
     __syncthreads();
     const int nv = nvalid;
     const bool live = sr < nv;                                    // warp-uniform
