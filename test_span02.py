@@ -5330,22 +5330,6 @@ def test_gpu_moe2_graph_replay(g, real):
 
 # --- timing -------------------------------------------------------------------------------------------------
 
-def _time_graph(g, fn, n):
-    fn()                                  # eager first: any shared-memory opt-in happens outside the capture
-    g.sync()
-    g.capture_begin()
-    fn()
-    graph = g.capture_end()
-    graph.replay()
-    g.sync()
-    ev0, ev1 = g.event(), g.event()
-    g.record(ev0)
-    for _ in range(n):
-        graph.replay()
-    g.record(ev1)
-    return g.elapsed_ms(ev0, ev1) / n
-
-
 @needs_gpu
 @pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 64, 256, 2048])
 def test_gpu_moe2_timing(g, real, T):
@@ -5366,13 +5350,13 @@ def test_gpu_moe2_timing(g, real, T):
     paths = [None] + (["grouped"] if T <= moe.DIRECT_MAX_T else ["direct"] if T <= 16 else [])
     for path in paths:
         plan = moe._plan(g, dx, dw, di, ex, out, ws, T, k, path)
-        ms = _time_graph(g, lambda: [f() for _, f in plan], n)
+        ms = _graph_time(g, lambda: [f() for _, f in plan], reps=1, replays=n)
         label = path or "auto"
         print(f"moe2 T={T} [{label}: {', '.join(nm for nm, _ in plan)}]: {act} experts, {nbytes / 1e6:.1f} MB, "
               f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, {flop / ms / 1e9:.1f} TFLOP/s; "
               f"4.2 TB/s floor {nbytes / 4.2e12 * 1e6:.1f} us)")
         for name, f in plan:
-            print(f"    {name}: {_time_graph(g, f, n) * 1e3:.1f} us")
+            print(f"    {name}: {_graph_time(g, f, reps=1, replays=n) * 1e3:.1f} us")
     g.sync()
     t0 = time.perf_counter()
     g.sync()
