@@ -140,7 +140,7 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
         raise ValueError("router_gpu: router_proj needs 16-byte alignment")
     logits, counters = workspace["logits"], workspace["counters"]
     if logits.shape[0] < T or logits.shape[1] != E or counters.shape[0] < (T + 3) // 4:
-        raise ValueError(f"workspace logits {logits.shape} too small for T={T}, E={E}")
+        raise ValueError(f"workspace logits {logits.shape} / counters too small for T={T}, E={E}")
     if r is None:
         r = g.view(workspace["r"], 0, (T, H), bf)
         router_input_gpu(g, h, router["router_scale"], r, eps, H ** -0.5)
@@ -204,15 +204,15 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
     raise ValueError(f"moe_gpu: path must be 'direct' or 'grouped', got {path!r}")
 
 
-# Tensor-core expert paths (kernels_ptx/moe.cu, "v2"). Both run the same per-element arithmetic (an mma.sync
-# m16n8k16 bf16 chain over K in one fixed order, no split-K; same epilogue roundings), so a token's output bytes
-# do not depend on T, on the path, on NT or on the other tokens (tests_parts/test_gpu_moe_v2.py checks it).
+# Tensor-core expert paths (kernels_ptx/moe.cu). Both run the same per-element arithmetic (per 128-column K block
+# a fresh mma.sync m16n8k16 bf16 chain, the blocks added in fp32 in increasing order; the same epilogue roundings),
+# so a token's output bytes do not depend on T, on the path, on NT or on the other tokens (test_span02.py's MoE
+# tests compare the paths byte for byte).
 #   direct  (T <= DIRECT_MAX_T, 2 launches): moe_gate_up_direct, one CTA per (16 rows of I, pair), u in pair
 #           order; moe_down_combine_direct, one CTA per (16 rows of H, token), the token's k slots in its warps,
-#           combined in increasing expert index in shared memory. In both, the 128-column K units of one output
-#           tile are spread over several warps (_direct_split); each unit's mma chain is kept apart in shared memory
-#           and one thread per output adds them from 0 in increasing unit order: the grouped path's exact bits. No grouping: at tiny T tokens rarely share an
-#           expert (a shared one is read twice, mostly from L2).
+#           combined in increasing expert index in shared memory. In both, the K blocks of one output tile are
+#           spread over several warps (_direct_split) and added afterwards by one thread per output, in order.
+#           No grouping: at tiny T tokens rarely share an expert (a shared one is read twice, mostly from L2).
 #   grouped (4 launches): moe_group_tiles (stable counting sort by expert + tiles of 8*NT positions) ->
 #           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
 #           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
