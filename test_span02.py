@@ -72,6 +72,8 @@ from policy import Question, Request, check_cost_table, r9
 from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
 from scheduler import BLOCK, Scheduler, Seq, TooLarge
 
+ROOT = os.path.dirname(os.path.abspath(__file__))      # the repository (span02.py, demo/, golden/)
+
 
 # ====================================================================================================
 # checkpoint
@@ -602,7 +604,6 @@ def test_save_safetensors_dtypes_and_determinism(tmp_path):
 
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Three random geometries: they differ in head dims, GQA ratios, k=v, window, experts, layer pattern.
 HF_CONFIGS = [
@@ -742,10 +743,10 @@ def test_make_demo_reproduces_the_committed_demo(tmp_path):
 
 def test_help_works():
     for args in (["--help"], ["serve", "--help"], ["make-demo", "--help"], ["calibrate", "--help"]):
-        r = subprocess.run([sys.executable, os.path.join(HERE, "span02.py"), *args], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "span02.py"), *args], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0 and "usage" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, os.path.join(HERE, "span02.py"), "--max-len", "1"], capture_output=True,
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "span02.py"), "--max-len", "1"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "max-len" in r.stderr
 
@@ -1742,8 +1743,6 @@ def test_calibrate_table(demo_prompter):
 (http.client and raw sockets). No GPU, no model."""
 
 
-sys.path.insert(0, __file__.rsplit("/tests_parts/", 1)[0])
-
 
 # --- fake engine ----------------------------------------------------------------------------------
 
@@ -2350,7 +2349,6 @@ def test_shutdown_from_the_serving_thread():
 
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 E2E_DEVICE = os.environ.get("SPAN02_TEST_DEVICE", "cpu")    # "gpu": the end-to-end tests on the GPU backend
 GOLDEN = os.path.join(ROOT, "golden", "responses.json")
 E2E_DOC = ("The harbour office logs every ship. The Albatross arrived at dawn with grain; the Heron left at noon "
@@ -4151,19 +4149,6 @@ POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used
 
 
 @needs_gpu
-@pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
-def test_gpu_experts_real(g, real, T):
-    ck, ex, deq = real
-    rng = np.random.default_rng(1000 + T)
-    x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])) * rng.uniform(0.3, 3, (T, 1)))
-    w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL, hot=5)
-    got = run_moe(g, ex, x, w, idx)
-    compare(f"experts real T={T} vs f64 (u rounded)", got,
-            ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
-    compare(f"experts real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
-
-
-@needs_gpu
 @pytest.mark.parametrize("T", [1, 3, 17, 40])
 def test_gpu_experts_small(g, T):
     E, k, H, I = SMALL["E"], SMALL["k"], SMALL["H"], SMALL["I"]
@@ -4902,10 +4887,10 @@ def test_gpu_attention_v2_timing(g, geo):
 # ====================================================================================================
 # === bench.py: server-level figures, the transformers peer, kernel tables (CPU) ===
 # ====================================================================================================
-# --- bench.py v2 (issue 6, item 1) on the CPU: the command line, the server-level figures against real
+# --- bench.py on the CPU: the command line, the server-level figures against real
 # `span02.py serve` subprocesses on the demo model (tiny workload), the peer through transformers on the CPU
 # (config translation, one tiny run), and the per-kernel table. The GPU parts (the model's steps, the full-size
-# peer) run on the device only. Run: python -m pytest tests_parts/test_bench_v2.py
+# peer) run on the device only.
 
 
 DEMO = span02.DEMO_DIR
@@ -5196,18 +5181,21 @@ def assert_same(res, name):
 # --- accuracy at the real shapes, every launch path -----------------------------------------------------
 
 @needs_gpu
+@pytest.mark.parametrize("seed", [1000, 2000])
 @pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
-def test_gpu_moe2_real(g, real, T):
+def test_gpu_experts_real(g, real, T, seed):
+    """Every launch path at the real shapes: byte-identical to each other, and the auto path against float64
+    (two random data sets per T)."""
     ck, ex, deq = real
-    rng = np.random.default_rng(2000 + T)
+    rng = np.random.default_rng(seed + T)
     x = bf(rng.normal(0, 1, (T, MOE_REAL["H"])) * rng.uniform(0.3, 3, (T, 1)))
     w, idx = make_routing(T, MOE_REAL["E"], MOE_REAL["k"], rng, pool=POOL, hot=5)
     res = all_paths(g, ex, x, w, idx)
-    assert_same(res, f"real T={T}")
+    assert_same(res, f"real T={T} seed={seed}")
     got = res["auto"]
-    compare(f"moe2 real T={T} vs f64 (u, o rounded)", got,
+    compare(f"experts real T={T} seed={seed} vs f64 (u, o rounded)", got,
             ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
-    compare(f"moe2 real T={T} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
+    compare(f"experts real T={T} seed={seed} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
 
 
 # --- odd small shapes: K % 32 != 0 (8-byte weight loads, partial super units), partial CTA row tiles ---------
