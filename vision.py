@@ -6,7 +6,7 @@ bytes --probe--> (format, W, H) checked against the pixel cap from the header al
 
 The reference is transformers' `Gemma4ImageProcessorPil` fed a PIL image (image_processing_pil_gemma4.py,
 PilBackend.process_image -> image_transforms.convert_to_rgb / resize / rescale); we repeat its Pillow calls
-in the same order so the output is bit-identical (tests_parts/test_vision_preprocess.py). Differences from
+in the same order so the output is bit-identical (test_span02.py, the vision tests). Differences from
 the spec text / between transformers paths, all decided here:
 - EXIF orientation is applied (like transformers' load_image, which every URL/path/base64 input goes
   through); a PIL image handed straight to the processor is not rotated. No-op without an orientation tag.

@@ -2,7 +2,7 @@
 (f32 for the tied head). W stays in its checkpoint format: FP8 e4m3 with a per-tensor / per-channel /
 128x128-block f32 scale, or bf16. Kernels: kernels_ptx/linear.cu, one family for every T, so a row's output
 bytes do not depend on T or on the other rows of the batch (see the header there for the fixed K order).
-The numpy reference is checkpoint.dequantize(raw) in float64 against bf16-rounded x (tests_parts/test_gpu_linear.py).
+The numpy reference is checkpoint.dequantize(raw) in float64 against bf16-rounded x (test_span02.py, the linear tests).
 """
 import re
 from dataclasses import dataclass

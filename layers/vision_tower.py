@@ -5,7 +5,7 @@
       -> standardize -> embed_vision (no-scale RMSNorm, projection) -> (N, H) f32
 
 The reference is transformers' Gemma4VisionModel + Gemma4MultimodalEmbedder, called as
-Gemma4Model.get_image_features does (tests_parts/test_vision_tower.py). Weights are float32, activations
+Gemma4Model.get_image_features does (test_span02.py, the vision tests). Weights are float32, activations
 float64, like the text reference in model.py.
 
 Padding rows are dropped up front, which is exact: they are masked as keys, zeroed before pooling, and
