@@ -387,6 +387,33 @@ class GpuModel(StepTools):
         seqs = [SeqStep((int(rng.integers(3, self.cfg.text.vocab)),), context, tuple(range(j * nb, (j + 1) * nb)),
                         argmax=True) for j in range(B)]
         self._decode_inputs(d, seqs, [])
+        return self._profile(lambda: self._decode_body(B, d), reps)
+
+    def profile_prefill(self, T, reps=3):
+        """Per-kernel device times of one sequence's T-token prefill (the layer stack; embedding and head left
+        out), as profile_decode gives them: one eager step first (it uploads the inputs), then the layers captured
+        with an event after every launch. Writes the KV of blocks 0 .. ceil(T / 16) - 1: run it on an idle model."""
+        from model import SeqStep
+        g = self.g
+        g.bind()
+        nb = -(-T // BLOCK)
+        if nb > min(self.num_blocks, self.max_blocks) or T > self.max_rows:
+            raise ValueError(f"profile_prefill: {T} tokens do not fit the KV pool or the workspace")
+        ids = tuple(int(x) for x in np.random.default_rng(0).integers(3, self.cfg.text.vocab, T))
+        self.step([SeqStep(ids, 0, tuple(range(nb)))])
+        pos, rows_seq = self._v("pos", T, dtype=np.int32), self._v("rows_seq", T, dtype=np.int32)
+        tab, sp = g.view(self.ws["tables"], 0, (1, nb), np.int32), g.view(self.ws["spans"], 0, (1, 1, 2), np.int32)
+
+        def body():
+            self._first_norm(T)
+            for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
+                self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
+        return self._profile(body, reps)
+
+    def _profile(self, body, reps):
+        """[{"kernel", "us", "bytes"}] of the launches body() makes: captured into a graph with an event recorded
+        after every launch, replayed `reps` times (the last one counts)."""
+        g = self.g
         marks = []                                   # (event, kernel, bytes) after each launch
 
         def hook(name, grid, block, nbytes):
@@ -398,7 +425,7 @@ class GpuModel(StepTools):
         try:
             g.record(start, external=True)
             g.launch_hook = hook
-            self._decode_body(B, d)
+            body()
         finally:
             g.launch_hook = None
             graph = g.capture_end()

@@ -22,15 +22,14 @@ XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 k
 
 # Decode-family speed variants (linear.cu dec2_body: the same per-output arithmetic, so the same bits as the
 # default `_t*` kernels; only the data movement differs). DECODE_VARIANT picks, per token bucket (T <= 8 / 16 /
-# 32 / 64), a kernel suffix; 't16' (default) is the `_t*` path below. 'mix' took the full-size decode step from
-# 3.321 to 3.172 ms at batch 1 and from 18.40 to 17.26 ms at batch 64 (H200, 2026-11-30, same run, t16 and mix
-# loaded one after the other; batch 16 unchanged, 9.00 vs 9.01 ms) and its kernels gave t16's bytes at every real
-# decode shape, but the whole GPU suite (odd shapes included) has not run with it yet: it becomes the default
-# once it has. Variant kernels exist for gemm_fp8_bf16,
-# gelu_fp8_bf16 and gemm_bf16_f32 only (other families, and buckets a variant leaves out, take the default).
+# 32 / 64), a kernel suffix; 't16' is the `_t*` path below for every bucket. 'mix' (default) took the full-size
+# decode step from 3.321 to 3.172 ms at batch 1 and from 18.40 to 17.26 ms at batch 64 (H200, 2026-11-30, same
+# run, t16 and mix loaded one after the other; batch 16 unchanged, 9.00 vs 9.01 ms); the whole GPU suite passed
+# with it as the default (226 passed, 2026-11-30). Variant kernels exist for gemm_fp8_bf16, gelu_fp8_bf16 and
+# gemm_bf16_f32 only (other families, and buckets a variant leaves out, take the default).
 # Suffix [s]n<NT>m<MT>r<R>b<MINB>[t]: s = weight ring in smem, 8*NT tokens x 16*MT rows per CTA, t = token tile
 # fastest in the grid.
-DECODE_VARIANT = 't16'
+DECODE_VARIANT = 'mix'
 _S8 = {8: 'sn1m1r8b3', 16: 'sn2m1r8b3', 32: 'sn4m1r6b2t', 64: 'sn8m1r4b2'}
 DECODE_VARIANTS = {         # variant -> family -> {max T: suffix (None: the default kernel)}, smallest key >= T
     't16': {},
