@@ -6,10 +6,10 @@
 //   - gelu: the dense MLP's act = bf16(bf16(gelu_tanh(bf16(gate))) * bf16(up)), gate and up rows computed by
 //     the same CTA (elementwise.cu's gelu_mul_bf16, bit for bit: gelu_mul below).
 //
-// Two kernel families with ONE per-output arithmetic, so a row's output never depends on T, on where the
-// row sits in the batch, or on the fusion (policy.md "Determinism"): the memory-bound family `_t8.._t64` below
-// (decode, T <= 64) and the smem-tiled prefill family `_p` (further down) that reproduces it bit for bit. The
-// contract:
+// Kernel families with ONE per-output arithmetic, so a row's output never depends on T, on where the row sits
+// in the batch, or on the fusion (policy.md "Determinism"): the memory-bound family `_t8.._t64` below (decode,
+// T <= 64, and its dec2_body speed variants) and the smem-tiled prefill tiles `_p` and `_g128`
+// (further down) that reproduce it bit for bit. The contract:
 //   - K is cut into 64-wide units u = 0..ceil(K/64)-1; unit u belongs to K-slice u % 8, and each slice walks
 //     its units in ascending order, 4 mma.sync m16n8k16 steps per unit into its own fp32 accumulator.
 //   - the 8 slice partials are summed in the fixed order 0,1,..,7 (__fadd_rn; via smem in the decode family,
@@ -137,17 +137,22 @@ template <int NPEND> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Epilogue of one output element from its finished slice sum(s): scale, round, (gelu_mul), store.
+// gelu: one projection's finished sum -> its bf16-rounded value (scaled first for FP8 tensor / channel).
+template <int FMT>
+__device__ __forceinline__ float gelu_in(const Proj &p, float v, int row) {
+    if (FMT == FMT_FP8) v = __fmul_rn(v, __ldg(p.S + (size_t)row * p.sa));
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+
 template <int FMT, bool F32OUT, bool GELU>
 __device__ __forceinline__ void store_out(const Proj &p0, const Proj &p1, float v0, float v1, int row, int tok) {
-    if (FMT == FMT_FP8) {
-        v0 = __fmul_rn(v0, __ldg(p0.S + (size_t)row * p0.sa));
-        if (GELU) v1 = __fmul_rn(v1, __ldg(p1.S + (size_t)row * p1.sa));
-    }
     const size_t o = (size_t)tok * p0.N + row;
     if (GELU) {
-        const float gr = __bfloat162float(__float2bfloat16_rn(v0)), ur = __bfloat162float(__float2bfloat16_rn(v1));
-        reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = gelu_mul(gr, ur);
-    } else if (F32OUT) {
+        reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = gelu_mul(gelu_in<FMT>(p0, v0, row), gelu_in<FMT>(p1, v1, row));
+        return;
+    }
+    if (FMT == FMT_FP8) v0 = __fmul_rn(v0, __ldg(p0.S + (size_t)row * p0.sa));
+    if (F32OUT) {
         reinterpret_cast<float *>(p0.Y)[o] = v0;
     } else {
         reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = __float2bfloat16_rn(v0);
@@ -707,6 +712,199 @@ __device__ __forceinline__ void prefill_body(const __nv_bfloat16 *__restrict__ X
         }
 }
 
+// --- large prefill tile `_g128` (FP8 tensor / channel and bf16 weights, no fusion but multi): the same bits ---
+// `_p` keeps the 8 slice partials of every output apart in registers (acc[u % 8]), which caps its tile at 16 x 16
+// outputs per warp. The contract only fixes each slice's unit order and the 0..7 fold, so this kernel walks the
+// units SLICE-MAJOR: slice 0's units 0, 8, 16, .. ascending into a fresh fp32 accumulator (the same mma_unit
+// calls, in the same order, as the decode family's warp 0), then tot = acc; slice 1's units into a fresh
+// accumulator, tot = __fadd_rn(tot, acc); .. up to slice 7 (an empty slice, K < 512, folds +0.0f as the decode
+// family's untouched partial does). One fp32 accumulator set per output in registers (the folded total `tot`
+// waits in shared memory, each thread's own values) instead of eight, so a warp holds a 32-row x 64-token tile:
+// CTA = 8 warps as 4 (32 rows) x 2 (64 tokens) = 128 rows x 128 tokens.
+// Stages (one 64-K unit each, in slice-major order, cp.async with zero fill): W 128 rows x 64 B (fp8; lane
+// reads 16 B at 16q of rows g, g+8: conflict-free) or x 144 B (bf16), X 128 tokens x 144 B.
+// Measured on the H200 (2026-11-30, test_gpu_linear_prefill_timing, real sliding-layer shapes): at T = 2048
+// q+k+v 510 us (185 TFLOP/s) vs 687 on `_p`, o_proj 271 vs 345, down 154 vs 186; at T = 512 q+k+v 130 vs 178,
+// o_proj 93 vs 97, down 53 vs 52 (88 CTAs for 132 SMs). A gelu form (gate then up in one CTA) lost to `_p` (401
+// vs 351 us at 2048), so the launcher takes this tile for plain / multi launches from G128_MIN_T tokens.
+// ncu (T = 2048 o_proj): latency-bound, 2 warps per scheduler with 0.51 eligible, issue slots 35% busy, tensor
+// pipe 27%; registers (187) and shared memory (172 KB) allow one CTA per SM.
+#define G_ROWS 128
+#define G_STAGES 4
+#define NW 8                                                                // 8-token tiles per warp
+template <int FMT> struct GemmSmem {
+    static constexpr int WSTRIDE = FMT == FMT_BF16 ? P_XSTRIDE : 64;
+    static constexpr int WBYTES = G_ROWS * WSTRIDE;
+    static constexpr int TOK = 16 * NW;                                     // tokens per CTA
+    static constexpr int STAGE = WBYTES + TOK * P_XSTRIDE;
+    static constexpr int STAGES_BYTES = G_STAGES * STAGE;
+    static constexpr int TOT_BYTES = 2 * NW * 4 * 4 * 256;                  // fp32 tot, [element][thread]
+    static constexpr int TOTAL = STAGES_BYTES + TOT_BYTES;                  // fp8 172032 B, bf16 212992 B
+};
+
+// The i-th unit in slice-major order (slice s = u % 8 holds units s, s+8, ..; slices 0..units%8-1 one more).
+__device__ __forceinline__ int slice_major_unit(int i, int units) {
+    const int a = units >> 3, rm = units & 7, big = rm * (a + 1);
+    if (i < big) {
+        const int s = i / (a + 1);
+        return s + 8 * (i - s * (a + 1));
+    }
+    const int i2 = i - big, s = rm + i2 / a;                 // a >= 1 here (i < units)
+    return s + 8 * (i2 - (s - rm) * a);
+}
+
+// tot[((mt * NW + n) * 4 + e) * 256 + thread] (shared) = the folded slice sums of the warp's 32 rows x 64
+// tokens of W (rows row0..) against X, D-fragment element e of m-tile mt, token tile n.
+template <int FMT>
+__device__ __forceinline__ void gemm_mainloop(uint8_t *smem, const void *__restrict__ W,
+                                              const __nv_bfloat16 *__restrict__ X, int T, int N, int K, int row0,
+                                              int t0, float *tot) {
+    using SM = GemmSmem<FMT>;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;                  // warp's 32-row group and 64-token group
+    const int units = (K + 63) >> 6;
+
+    auto load = [&](int u, int stage) {
+        uint8_t *sw = smem + stage * SM::STAGE, *sx = sw + SM::WBYTES;
+        if (FMT == FMT_BF16) {
+            const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(W);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {                     // 128 rows x 8 pieces of 8 columns
+                const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
+                const bool ok = row0 + r < N && k < K;
+                cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w16 + (size_t)(row0 + r) * K + k) : W, ok);
+            }
+        } else {
+            const uint8_t *w8 = reinterpret_cast<const uint8_t *>(W);
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {                     // 128 rows x 4 pieces of 16 columns
+                const int idx = tid + 256 * i, r = idx >> 2, c = idx & 3, k = (u << 6) + 16 * c;
+                const bool ok = row0 + r < N && k < K;
+                cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w8 + (size_t)(row0 + r) * K + k) : W, ok);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < SM::TOK * 8 / 256; ++i) {         // TOK tokens x 8 pieces of 8 columns
+            const int idx = tid + 256 * i, tk = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
+            const bool ok = t0 + tk < T && k < K;
+            cp_async16(sx + tk * P_XSTRIDE + 16 * c, ok ? (const void *)(X + (size_t)(t0 + tk) * K + k) : (const void *)X, ok);
+        }
+    };
+
+    float acc[2][NW][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int n = 0; n < NW; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][n][i] = 0.f;
+
+#pragma unroll
+    for (int p = 0; p < G_STAGES - 1; ++p) {                  // prologue: the first G_STAGES-1 units
+        if (p < units) load(slice_major_unit(p, units), p);
+        cp_async_commit();
+    }
+    for (int i = 0; i < units; ++i) {
+        cp_async_wait<G_STAGES - 2>();                        // unit i's group has landed (this thread's part)
+        __syncthreads();                                      // ... everyone's; and stage (i-1) % G_STAGES is free
+        if (i + G_STAGES - 1 < units) load(slice_major_unit(i + G_STAGES - 1, units), (i + G_STAGES - 1) % G_STAGES);
+        cp_async_commit();                                    // (maybe empty) keeps the group count uniform
+        const uint8_t *sw = smem + (i % G_STAGES) * SM::STAGE, *sx = sw + SM::WBYTES;
+        uint32_t a[2][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int r1 = 32 * wr + 16 * mt + g;             // rows g and g+8 of m-tile mt
+            if (FMT == FMT_BF16) {
+                uint4 v[4] = {*reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q),
+                              *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q + 16),
+                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q),
+                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q + 16)};
+                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&v[0]), *rhw = reinterpret_cast<const uint32_t *>(&v[2]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    a[mt][j][0] = rgw[2 * j]; a[mt][j][1] = rhw[2 * j]; a[mt][j][2] = rgw[2 * j + 1]; a[mt][j][3] = rhw[2 * j + 1];
+                }
+            } else {
+                const uint4 vg = *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 16 * q);
+                const uint4 vh = *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 16 * q);
+                const uint32_t rgw[4] = {vg.x, vg.y, vg.z, vg.w}, rhw[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    e4m3x4_to_bf16x4(rgw[j], a[mt][j][0], a[mt][j][2]);
+                    e4m3x4_to_bf16x4(rhw[j], a[mt][j][1], a[mt][j][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NW; ++n) {
+            const uint8_t *xr = sx + (8 * NW * wt + 8 * n + g) * P_XSTRIDE + 32 * q;   // token g of tile n
+            const uint4 x0 = *reinterpret_cast<const uint4 *>(xr), x1 = *reinterpret_cast<const uint4 *>(xr + 16);
+            const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma_unit<FMT>(acc[mt][n], a[mt], xw, 0.f);
+        }
+        const int u = slice_major_unit(i, units);
+        if (u + 8 >= units) {                                 // the last unit of slice u % 8: fold it
+            const bool first = (u & 7) == 0;
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int n = 0; n < NW; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float &t = tot[((mt * NW + n) * 4 + e) * 256 + tid];
+                        t = first ? acc[mt][n][e] : __fadd_rn(t, acc[mt][n][e]);
+                        acc[mt][n][e] = 0.f;
+                    }
+        }
+    }
+    for (int s = units; s < SLICES; ++s)                      // empty slices (K < 512): their partial is +0.0f
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int n = 0; n < NW; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float &t = tot[((mt * NW + n) * 4 + e) * 256 + tid];
+                    t = __fadd_rn(t, 0.f);
+                }
+    cp_async_wait<0>();
+}
+
+template <int FMT, bool F32OUT>
+__device__ __forceinline__ void gemm_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
+                                          const Proj &q1, const Proj &q2, const Proj &q3) {
+    using SM = GemmSmem<FMT>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    pdl_trigger();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int wr = warp & 3, wt = warp >> 2;
+    int b = blockIdx.x;
+    const Proj p = pick(b, G_ROWS, q0, q1, q2, q3);
+    const int row0 = b * G_ROWS, t0 = blockIdx.y * SM::TOK;
+    float *tot = reinterpret_cast<float *>(smem + SM::STAGES_BYTES);               // this thread's: [e * 256 + tid]
+    gemm_mainloop<FMT>(smem, p.W, X, T, p.N, K, row0, t0, tot);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int n = 0; n < NW; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + 32 * wr + 16 * mt + g + ((e & 2) ? 8 : 0);
+                const int tok = t0 + 8 * NW * wt + 8 * n + 2 * q + (e & 1);
+                const float v = tot[((mt * NW + n) * 4 + e) * 256 + threadIdx.x];
+                if (row < p.N && tok < T) store_out<FMT, F32OUT, false>(p, p, v, v, row, tok);
+            }
+}
+#undef NW
+
+#define GEMM_KERNEL(name, FMT, F32OUT)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) name(LIN_PARAMS) {                                  \
+        const Proj p[4] = {LIN_PROJS};                                                                       \
+        gemm_body<FMT, F32OUT>(X, T, K, p[0], p[1], p[2], p[3]);                                             \
+    }
+
 // Exported kernels, one per (weight format, output, fusion, NT) plus the prefill tile `_p`. One signature:
 //   (X (T, K) bf16, T, K, then 4 x (W, S, s_arg, Y, N)): projections 0..3; unused ones N = 0 (any pointers).
 //   gemm_*: Y_p (T, N_p) = X @ W_p^T for every projection p (1 to 4; all the same K and weight format).
@@ -747,6 +945,12 @@ LINEAR_FAMILY(gemm_bf16_f32, FMT_BF16, true, false)        // bf16 weights, f32 
 LINEAR_FAMILY(gelu_fp8_bf16, FMT_FP8, false, true)         // gate/up -> act, FP8 tensor / channel
 LINEAR_FAMILY(gelu_fp8blk_bf16, FMT_FP8BLK, false, true)   // gate/up -> act, FP8 128x128 blocks
 LINEAR_FAMILY(gelu_bf16_bf16, FMT_BF16, false, true)       // gate/up -> act, bf16 weights
+
+// The large prefill tile `_g128`: 128 rows x 128 tokens per CTA, grid (sum_p ceil(N_p/128), ceil(T/128)), dynamic
+// smem GemmSmem<FMT>::TOTAL (4 stages + the fp32 totals). Plain and multi launches of FP8 tensor / channel and bf16.
+GEMM_KERNEL(gemm_fp8_bf16_g128, FMT_FP8, false)
+GEMM_KERNEL(gemm_bf16_bf16_g128, FMT_BF16, false)
+GEMM_KERNEL(gemm_bf16_f32_g128, FMT_BF16, true)
 
 // Speed variants of the decode family (dec2_body: same bits as `_t*`, see there). Named <family>_<v>, v =
 // [s]n<NT>m<MT>r<R>b<MINB>[t]: s = weight ring in shared memory (cp.async; dynamic smem

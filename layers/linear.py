@@ -16,7 +16,12 @@ F32 = np.dtype(np.float32)
 ROWS, THREADS = 16, 256                 # decode family: N rows per CTA, threads per CTA (8 K-slice warps)
 P_ROWS, P_TOK = 64, 32                  # prefill tile (`_p` kernels): N rows x tokens per CTA
 P_SMEM = {'bf16': 55296, 'fp8': 34816}  # prefill dynamic smem bytes (4 stages, linear.cu PrefillSmem)
-PREFILL_MIN_T = 65                      # T from which the `_p` tile runs (same bits; None = decode family always)
+PREFILL_MIN_T = 65                      # T from which a prefill tile runs (same bits; None = decode family always)
+# Prefill tiles: `_p` (64 rows x 32 tokens per CTA, every format and fusion) and, from G128_MIN_T tokens,
+# `_g128` (128 x 128, slice-major: plain and multi launches of FP8 tensor / channel and bf16 weights; see linear.cu
+# for the H200 times that set the threshold). Same bits either way. G128_MIN_T = None: `_p` only.
+G128_MIN_T = 512
+G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -116,16 +121,28 @@ def _kernel_of(w, f32=False):
     return 'gemm_fp8_bf16', int(w.format == 'fp8_channel')
 
 
+def _gemm_smem(kernel):
+    """Dynamic smem bytes of `{kernel}_g128` (linear.cu GemmSmem): 4 stages of one 64-K unit (W 128 rows, X 128
+    tokens) and the fp32 slice totals (64 per thread)."""
+    wstride = G_XSTRIDE if kernel.split('_')[1] == 'bf16' else 64
+    return G_STAGES * (G_ROWS * wstride + 128 * G_XSTRIDE) + 64 * 4 * THREADS
+
+
 def _launch(g, kernel, x, projs, gelu=False):
     """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
-    x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks the prefill tile or the decode family
-    by T (same bits either way)."""
+    x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_g128` from G128_MIN_T,
+    else `_p`) or the decode family (DECODE_VARIANT) by T (same bits either way)."""
     t, k = x.shape
     rows = [n for *_, n in projs]
     args = [x, t, k]
     for w_ptr, s, s_arg, out, n in list(projs) + [(None, None, 0, None, 0)] * (4 - len(projs)):
         args += [w_ptr, s, s_arg, out, n]
     wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
+    if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
+        f = g.module('linear').function(f'{kernel}_g128')
+        g.launch(f, grid=(sum(-(-n // G_ROWS) for n in rows), -(-t // 128), 1), block=(THREADS, 1, 1), args=args,
+                 shared=_gemm_smem(kernel), nbytes=wbytes, pdl=True)
+        return
     if PREFILL_MIN_T is not None and t >= PREFILL_MIN_T:
         f = g.module('linear').function(f'{kernel}_p')
         tiles = -(-rows[0] // P_ROWS) if gelu else sum(-(-n // P_ROWS) for n in rows)
