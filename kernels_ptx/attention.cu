@@ -30,6 +30,13 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// Programmatic dependent launch entry (elementwise.cu explains it): launch the next kernel now, then wait for the
+// previous one; nothing is read or written before the wait. No-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_entry() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 #define KV_BLOCK 16      // positions per KV block
 #define CHUNK 64         // keys per attention partial
 
@@ -62,6 +69,7 @@ extern "C" __global__ void qk_norm_rope_bf16(
     __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_out, __nv_bfloat16* __restrict__ v_out,
     __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
     const int* __restrict__ rows_seq, const int* __restrict__ block_tables, int max_blocks) {
+    pdl_entry();
     __shared__ float red[32];
     const int t = blockIdx.x, hy = blockIdx.y, i = threadIdx.x, half = D >> 1;
     const __nv_bfloat16* src;
@@ -132,6 +140,7 @@ extern "C" __global__ void kv_write_bf16(
     __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
     const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
     const int* __restrict__ block_tables, int max_blocks, int HD) {
+    pdl_entry();
     const int t = blockIdx.x;
     const int p = rows_pos[t];
     const size_t slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
@@ -573,9 +582,11 @@ __device__ __forceinline__ void attn_tile(
 //                       part_ml / part_acc unused.
 #define ATTN_KERNELS(D)                                                                                       \
     extern "C" __global__ void __launch_bounds__(D / 2) attn_split_bf16_d##D(ATTN_ARGS) {                   \
+        pdl_entry();                                                                                         \
         attn_tile<D, 1, true>(ATTN_PASS);                                                                    \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(D) attn_fused_bf16_d##D(ATTN_ARGS) {                       \
+        pdl_entry();                                                                                         \
         attn_tile<D, 2, false>(ATTN_PASS);                                                                   \
     }
 ATTN_KERNELS(64)
@@ -592,6 +603,7 @@ extern "C" __global__ void attn_combine_bf16(
     const float* __restrict__ part_ml, const float* __restrict__ part_acc,
     const int* __restrict__ rows_seq, const int* __restrict__ rows_pos, const int* __restrict__ spans, int n_spans,
     int window, int sliding, int row0, int Hq, int D, int max_slots, __nv_bfloat16* __restrict__ out) {
+    pdl_entry();
     const int lr = blockIdx.x, h = blockIdx.y, r = row0 + lr, d = 4 * threadIdx.x;
     int lo, hi;
     key_range(r, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);

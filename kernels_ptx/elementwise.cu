@@ -11,9 +11,15 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Programmatic dependent launch: let the next kernel (if launched with PDL, e.g. the linear layers, which
-// wait with griddepcontrol.wait before reading what we write) start its prologue now. A no-op otherwise.
+// Programmatic dependent launch (gpu.launch(pdl=True)): pdl_entry() first in a kernel lets the next kernel launch
+// now (it waits for us the same way) and then waits until the previous kernel has finished and its writes are
+// visible. Nothing is read or written before the wait, so the order is the stream's; what overlaps is the
+// launch and the CTAs' start. Both instructions are no-ops in a launch without the attribute.
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_entry() {
+    pdl_trigger();
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
@@ -73,6 +79,7 @@ __device__ void embed_row(bf16* out, const bf16* table, const int* ids, int H, i
 
 extern "C" __global__ void embed_bf16(bf16* __restrict__ out, const bf16* __restrict__ table,
                                       const int* __restrict__ ids, int T, int H, int V, float scale, int vec) {
+    pdl_entry();
     if (blockIdx.x >= T) return;
     if (vec == 8) embed_row<8>(out, table, ids, H, V, scale);
     else embed_row<1>(out, table, ids, H, V, scale);
@@ -150,7 +157,7 @@ __device__ void rmsnorm_rows(bf16* out, const bf16* x, const bf16* w, const bf16
 
 extern "C" __global__ void rmsnorm_bf16(bf16* out, const bf16* x, const bf16* __restrict__ w, int rows, int n,
                                         int heads, long long ld_x, long long ld_out, float eps, int vec) {
-    pdl_trigger();
+    pdl_entry();
     if (vec == 8) rmsnorm_rows<8, false, false>(out, x, w, nullptr, rows, n, heads, ld_x, ld_out, eps, 1.f);
     else rmsnorm_rows<1, false, false>(out, x, w, nullptr, rows, n, heads, ld_x, ld_out, eps, 1.f);
 }
@@ -158,6 +165,7 @@ extern "C" __global__ void rmsnorm_bf16(bf16* out, const bf16* x, const bf16* __
 extern "C" __global__ void rmsnorm_add_bf16(bf16* out, const bf16* x, const bf16* __restrict__ w, const bf16* res,
                                             int rows, int n, int heads, long long ld_x, long long ld_out, float eps,
                                             int vec) {
+    pdl_entry();
     if (vec == 8) rmsnorm_rows<8, true, false>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, 1.f);
     else rmsnorm_rows<1, true, false>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, 1.f);
 }
@@ -165,6 +173,7 @@ extern "C" __global__ void rmsnorm_add_bf16(bf16* out, const bf16* x, const bf16
 extern "C" __global__ void rmsnorm_add_scale_bf16(bf16* out, const bf16* x, const bf16* __restrict__ w,
                                                   const bf16* res, int rows, int n, int heads, long long ld_x,
                                                   long long ld_out, float eps, float scale, int vec) {
+    pdl_entry();
     if (vec == 8) rmsnorm_rows<8, true, true>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, scale);
     else rmsnorm_rows<1, true, true>(out, x, w, res, rows, n, heads, ld_x, ld_out, eps, scale);
 }
@@ -218,7 +227,7 @@ extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __re
                                                 const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
                                                 int n, float eps, bf16* __restrict__ r,
                                                 const bf16* __restrict__ r_scale, float root) {
-    pdl_trigger();
+    pdl_entry();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
@@ -248,8 +257,8 @@ extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __re
 // sums and inv). grid (T), block TPR (one 8-vector per thread).
 extern "C" __global__ void router_input_bf16(bf16* __restrict__ r, const bf16* __restrict__ h,
                                              const bf16* __restrict__ r_scale, int n, float eps, float root) {
+    pdl_entry();
     __shared__ float sums[32];
-    pdl_trigger();
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
@@ -264,7 +273,7 @@ extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __res
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                const bf16* __restrict__ w4, int n, float eps, float scale) {
-    pdl_trigger();
+    pdl_entry();
     __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
@@ -305,6 +314,7 @@ extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __res
 // Elementwise, so any grid is deterministic; grid-stride loop.
 // ------------------------------------------------------------------------------------------------------
 extern "C" __global__ void softcap_f32(float* x, long long n, float cap) {
+    pdl_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] = cap * tanhf(x[i] / cap);
 }
@@ -340,6 +350,7 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
 // argmax pass 1: (best value, its index) of each chunk. Index INT_MAX with -inf means an empty chunk.
 extern "C" __global__ void argmax_partial_f32(const float* __restrict__ logits, float* __restrict__ work, int T,
                                               int V) {
+    pdl_entry();
     __shared__ float sv[PASS1_THREADS / 32];
     __shared__ int si[PASS1_THREADS / 32];
     const int c = blockIdx.x, t = blockIdx.y, C = gridDim.x;
@@ -364,6 +375,7 @@ extern "C" __global__ void argmax_partial_f32(const float* __restrict__ logits, 
 
 // argmax pass 2: out[t] = index of the row's maximum (int32).
 extern "C" __global__ void argmax_final_f32(const float* __restrict__ work, int* __restrict__ out, int T, int C) {
+    pdl_entry();
     const int t = blockIdx.x;
     const float* pv = work + (size_t)t * C;
     const int* pi = reinterpret_cast<const int*>(work) + (size_t)T * C + (size_t)t * C;
@@ -391,6 +403,7 @@ __device__ __forceinline__ float warp_max(float s) {
 // logsumexp pass 1: chunk max m_c, then s_c = sum over the chunk of exp(x - m_c) (the chunk is re-read from
 // L1/L2). Thread x sums j = x, x+256, ... in order; warps fold by butterfly; thread 0 adds warps in order.
 extern "C" __global__ void lse_partial_f32(const float* __restrict__ logits, float* __restrict__ work, int T, int V) {
+    pdl_entry();
     __shared__ float red[PASS1_THREADS / 32];
     const int c = blockIdx.x, t = blockIdx.y, C = gridDim.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* row = logits + (size_t)t * V;
@@ -430,6 +443,7 @@ extern "C" __global__ void lse_partial_f32(const float* __restrict__ logits, flo
 extern "C" __global__ void readout_final_f32(const float* __restrict__ work, const float* __restrict__ logits,
                                              const int* __restrict__ keys, float* __restrict__ lse,
                                              float* __restrict__ keys_out, int T, int V, int C, int K) {
+    pdl_entry();
     const int t = blockIdx.x;
     const float* pm = work + (size_t)t * C;
     const float* ps = work + (size_t)T * C + (size_t)t * C;
@@ -453,6 +467,7 @@ extern "C" __global__ void readout_final_f32(const float* __restrict__ work, con
 // Flat over n = T * I elements; each element is independent, so batching cannot change a byte.
 extern "C" __global__ void gelu_mul_bf16(bf16* __restrict__ out, const bf16* __restrict__ gate,
                                          const bf16* __restrict__ up, long long n) {
+    pdl_entry();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = bf16_to_f32(reinterpret_cast<const uint16_t*>(gate)[i]);
