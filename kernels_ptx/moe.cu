@@ -17,6 +17,13 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// Programmatic dependent launch entry (elementwise.cu explains it): launch the next kernel now, then wait for the
+// previous one; nothing is read or written before the wait. No-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_entry() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 typedef __nv_bfloat16 bf16;
 
 #define FULL 0xffffffffu
@@ -150,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_tiles(
     const int* __restrict__ idx, int P, int E, int* __restrict__ offsets, int* __restrict__ perm,
     int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
     int* __restrict__ n_tiles) {
+    pdl_entry();
     group_body(idx, P, E, offsets, perm, active, n_active, TS, tiles, n_tiles);
 }
 
@@ -191,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     bf16* __restrict__ out,              // (T, H)
     int T, int H, int k, int E)
 {
+    pdl_entry();
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
     const int t = blockIdx.x;
@@ -531,6 +540,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_direct(
     bf16* __restrict__ u,                // (P, I) pair order
     int H, int I, int k, int E)
 {
+    pdl_entry();
     extern __shared__ __align__(16) unsigned char smem_gud[];
     const int p = blockIdx.y, e = idx[p];
     if (e < 0 || e >= E) return;                                  // uniform over the CTA
@@ -583,6 +593,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     bf16* __restrict__ out,              // (T, H)
     int H, int I, int k, int E)
 {
+    pdl_entry();
     extern __shared__ __align__(16) unsigned char smem_dd[];
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
@@ -751,6 +762,7 @@ extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
     const int* __restrict__ n_tiles, const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs, \
     const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, const float* __restrict__ gsc, \
     bf16* __restrict__ u, int H, int I, int k) { \
+    pdl_entry(); \
     gate_up_grouped_body<NT, D>(x, perm, tiles, n_tiles, gw, gs, uw, us, gsc, u, H, I, k); }
 GU_GROUPED(moe_gate_up_mma_n1, 1, 4, 3)
 GU_GROUPED(moe_gate_up_mma_n2, 2, 4, 3)
@@ -762,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
     const bf16* __restrict__ u, const int* __restrict__ perm, const int4* __restrict__ tiles, \
     const int* __restrict__ n_tiles, const uint8_t* __restrict__ dw, const uint8_t* __restrict__ ds, \
     const float* __restrict__ gsc, const float* __restrict__ weights, bf16* __restrict__ o, int H, int I) { \
+    pdl_entry(); \
     down_grouped_body<NT, D>(u, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I); }
 DN_GROUPED(moe_down_mma_n1, 1, 4, 3)
 DN_GROUPED(moe_down_mma_n2, 2, 4, 3)
