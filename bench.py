@@ -8,8 +8,8 @@
    eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k, weights_gib, load_model_s (model
    construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, one decision
    through the engine without HTTP (readout_ms_engine, decision_wall_ms), and, when the backend has
-   `profile_decode(B)`, the per-kernel tables kernels_b1 / kernels_b64 (+ kernel_sum_ms_b*). The model is closed
-   before the next part.
+   `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64 / kernels_prefill_2048
+   (+ kernel_sum_ms_*). The model is closed before the next part.
 2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it, and the standard workload (--requests N of
@@ -336,22 +336,27 @@ def format_kernel_table(table, title):
     return "\n".join(lines)
 
 
-def kernel_figures(m, batches=(1, 64), log=print):
-    """kernels_b{B} (kernel_table) and kernel_sum_ms_b{B} for each B, if the model has `profile_decode(B)`;
-    an error there is reported in the result (kernels_error), never fatal."""
+def kernel_figures(m, batches=(1, 64), prefill=(2048,), log=print):
+    """kernels_b{B} / kernels_prefill_{T} (kernel_table) and kernel_sum_ms_b{B} / kernel_sum_ms_prefill_{T} for
+    each decode batch B and prefill length T, if the model has `profile_decode` / `profile_prefill`; an error
+    there is reported in the result (kernels_error), never fatal."""
     if not hasattr(m, "profile_decode"):
         return {}
     r = {}
-    for b in batches:
+    runs = [(f"b{b}", f"one decode step at batch {b} (profile_decode)", lambda b=b: m.profile_decode(b))
+            for b in batches]
+    runs += [(f"prefill_{t}", f"one {t}-token prefill (profile_prefill)", lambda t=t: m.profile_prefill(t))
+             for t in (prefill if hasattr(m, "profile_prefill") else ())]
+    for key, title, call in runs:
         try:
-            table = kernel_table(m.profile_decode(b))
+            table = kernel_table(call())
         except Exception as e:                          # noqa: BLE001 - a diagnostic, not a figure
-            r["kernels_error"] = f"profile_decode({b}): {type(e).__name__}: {e}"
+            r["kernels_error"] = f"{title}: {type(e).__name__}: {e}"
             log(r["kernels_error"])
             continue
-        r[f"kernels_b{b}"] = table
-        r[f"kernel_sum_ms_b{b}"] = round(sum(a["us"] for a in table) / 1e3, 3)
-        log(format_kernel_table(table, f"kernels of one decode step at batch {b} (profile_decode):"))
+        r[f"kernels_{key}"] = table
+        r[f"kernel_sum_ms_{key}"] = round(sum(a["us"] for a in table) / 1e3, 3)
+        log(format_kernel_table(table, f"kernels of {title}:"))
     return r
 
 

@@ -5040,9 +5040,13 @@ def test_kernel_table_and_hook():
             if b == 64:
                 raise ValueError("does not fit")
             return rows
+
+        def profile_prefill(self, t):
+            return rows[:2] if t == 2048 else 1 / 0
     r = bench.kernel_figures(Prof(), log=lambda *a: None)
     assert r["kernels_b1"] == t and r["kernel_sum_ms_b1"] == 0.05 and "kernels_b64" not in r
     assert "does not fit" in r["kernels_error"]
+    assert [a["kernel"] for a in r["kernels_prefill_2048"]] == ["gemv", "norm"] and r["kernel_sum_ms_prefill_2048"] == 0.012
     assert bench.kernel_figures(object()) == {}
 
 
@@ -5443,3 +5447,250 @@ def test_gpu_linear_decode_variants(lin_g):
     for line in bad:
         print('MISMATCH', line)
     assert not bad, f'{len(bad)} variant outputs differ from {default}: {bad[:4]}'
+
+
+# ====================================================================================================
+# === GPU dense layers: the large prefill tiles (`_g64` / `_g128`, slice-major) against `_p` and decode ===
+# ====================================================================================================
+
+def _with_g128(g128_min, fn):
+    """fn() with layers.linear.G128_MIN_T set (restored after)."""
+    saved, lin_mod.G128_MIN_T = lin_mod.G128_MIN_T, g128_min
+    try:
+        return fn()
+    finally:
+        lin_mod.G128_MIN_T = saved
+
+
+_TILES = (None, 65)                                  # G128_MIN_T: `_p` only; `_g128` for plain / multi at T >= 65
+
+
+@needs_gpu
+@pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
+def test_gpu_linear_prefill_tiles(lin_g, fmt):
+    """Both prefill tiles give the decode family's bytes, row by row: plain (bf16 out; f32 out for bf16 weights),
+    fused multi (and gate_up_gelu, `_p` only), at T = 1100 and 130, for K with 44 / 11 / 4 (partial) / 1 units
+    (K < 512 leaves slices empty) and N off the 128-row tile."""
+    g, rng = lin_g, np.random.default_rng(31)
+    for (n, k), n2 in (((2112, 2816), 1024), ((1000, 704), 17), ((300, 208), 130), ((17, 48), 5)):
+        (ra, _), (rb, _), (rc, _) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n2, k), _lin_raw(rng, fmt, n, k)
+        a, b, c = upload_linear(g, ra), upload_linear(g, rb), upload_linear(g, rc)
+        for t in (1100, 130):
+            x = (rng.standard_normal((t, k), np.float32) * 2).astype(BF16)
+            xd = g.upload(x)
+            outs = {}
+            for g128 in _TILES:
+                run = lambda: (_lin_run(g, x, a), _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c),
+                               _lin_run(g, x, a, np.float32) if fmt == 'bf16' else None)
+                outs[g128] = _with_g128(g128, run)
+            rows = np.sort(rng.choice(t, 64, replace=False))
+            xs = g.upload(x[rows])
+            dec = (_lin_run(g, x[rows], a), _multi(g, xs, [a, b]), _gelu_fused(g, xs, a, c),
+                   _lin_run(g, x[rows], a, np.float32) if fmt == 'bf16' else None)       # T = 64: decode family
+            alone = _lin_run(g, x[rows[:1]], a)                                        # T = 1
+            g.free(xs), g.free(xd)
+            for key, (y, m, gl, y32) in outs.items():
+                name = f'{fmt} N={n} K={k} T={t} G128_MIN_T={key}'
+                _same(f'{name} plain', y[rows], dec[0])
+                _same(f'{name} plain alone', y[rows[:1]], alone)
+                _same(f'{name} multi 0', m[0][rows], dec[1][0])
+                _same(f'{name} multi 1', m[1][rows], dec[1][1])
+                _same(f'{name} gelu', gl[rows], dec[2])
+                if y32 is not None:
+                    _same(f'{name} f32 out', y32[rows], dec[3])
+        for lin in (a, b, c):
+            _lin_free(g, lin)
+
+
+@needs_gpu
+def test_gpu_linear_prefill_timing(lin_g):
+    """Graph-replayed us and TFLOP/s of the real prefill launches (fused q+k+v of a sliding layer, o_proj,
+    gate_up_gelu, down) at T = 512 and 2048 on each prefill tile (gelu: `_p` both times); printed for
+    BENCHMARKS.md, not asserted."""
+    g, rng = lin_g, np.random.default_rng(32)
+    H, I = 2816, 2112
+    mk = lambda n, k: upload_linear(g, _lin_raw(rng, 'fp8_channel', n, k)[0])
+    q, kk, v, o, gt, up, dn = mk(4096, H), mk(2048, H), mk(2048, H), mk(H, 4096), mk(I, H), mk(I, H), mk(H, I)
+    for t in (512, 2048):
+        xh = g.upload((rng.standard_normal((t, H), np.float32)).astype(BF16))
+        xq = g.upload((rng.standard_normal((t, 4096), np.float32)).astype(BF16))
+        xi = g.upload((rng.standard_normal((t, I), np.float32)).astype(BF16))
+        oq, ok_, ov = g.empty((t, 4096), BF16), g.empty((t, 2048), BF16), g.empty((t, 2048), BF16)
+        oo, oa, od = g.empty((t, H), BF16), g.empty((t, I), BF16), g.empty((t, H), BF16)
+        cases = [('q+k+v', 8192 * H, lambda: linear_multi_gpu(g, xh, [q, kk, v], [oq, ok_, ov])),
+                 ('o_proj', H * 4096, lambda: linear_gpu(g, xq, o, oo)),
+                 ('gate_up_gelu', 2 * I * H, lambda: gate_up_gelu_gpu(g, xh, gt, up, oa)),
+                 ('down', H * I, lambda: linear_gpu(g, xi, dn, od))]
+        for name, nk, call in cases:
+            cells = []
+            for g128 in _TILES:
+                ms = _with_g128(g128, lambda: _graph_time(g, call, reps=10, replays=3))
+                cells.append(f'{"p" if g128 is None else "g128"} {ms * 1e3:8.1f} us {2 * t * nk / ms / 1e9:6.1f} TFLOP/s')
+            print(f'prefill T={t} {name:13s}: ' + ' | '.join(cells))
+        for a in (xh, xq, xi, oq, ok_, ov, oo, oa, od):
+            g.free(a)
+    for lin in (q, kk, v, o, gt, up, dn):
+        _lin_free(g, lin)
+
+
+# ====================================================================================================
+# === GPU MoE router: the batch kernels (router.cu ROUTER_TILE) against router_bf16 ===
+# ====================================================================================================
+# --- GPU router, batch path (kernels_ptx/router.cu router_bf16_t8x8 / t16x16 / t16x32, picked by layers/moe.py
+# router_gpu for T > 4): every logit, weight and index byte-identical to the decode kernel router_bf16 (one warp per
+# expert, the pre-tile arithmetic) at any T, near the float64 reference, counters left at zero; and graph-replayed
+# timings of every kernel shape at decode and prefill sizes (printed, not asserted).
+
+
+_ROUTER_TILES = {"t8x8": (8, 8, 128, 5), "t16x16": (16, 16, 128, 4), "t16x32": (16, 32, 256, 4)}
+_ROUTER_KERNELS = ["w1", "w4"] + list(_ROUTER_TILES)
+
+
+def _router_launch(g, name, r, router, ws, dw, di, T, H, E, k):
+    args = [r, router["router_proj"], router["router_pes"], ws["logits"], ws["counters"], dw, di, T, H, E, k]
+    m = g.module("router")
+    if name in ("w1", "w4"):
+        ew = int(name[1])
+        g.launch(m.function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4), block=(32 * ew,), args=args)
+    else:
+        tt, ec, nth, st = _ROUTER_TILES[name]
+        g.launch(m.function("router_bf16_" + name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt), block=(nth,),
+                 args=args, shared=st * (tt + ec) * 512)
+
+
+def _router_setup(g, T, E, H, seed):
+    rng = np.random.default_rng(seed)
+    h = bf(rng.normal(0, 3, (T, H)) * rng.uniform(0.1, 10, (T, 1)))
+    proj = bf(rng.normal(0, 1.5, (E, H)))
+    scale = bf(rng.uniform(0.5, 2.0, H))
+    pes = bf(rng.uniform(0.5, 1.5, E)).astype(np.float32)
+    router = moe.upload_router(g, proj.astype(np.float32), scale.astype(np.float32), pes)
+    return h, proj, pes, router
+
+
+def _router_outputs(g, ws, dw, di, T):
+    return (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+
+
+SHAPES = [(T, MOE_REAL) for T in (5, 17, 64, 300, 2048)] + \
+         [(T, dict(E=256, k=16, H=128)) for T in (5, 17, 300)] + \
+         [(T, dict(E=40, k=6, H=136)) for T in (5, 17, 64, 300)] + \
+         [(33, dict(E=40, k=6, H=3080)), (129, dict(E=8, k=2, H=64))]     # H > 3072: router_bf16's 2nd chunk batch
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,shape", SHAPES)
+def test_gpu_router_v3_bits(g, T, shape):
+    E, k, H = shape["E"], shape["k"], shape["H"]
+    eps = 1e-6
+    h, proj, pes, router = _router_setup(g, T, E, H, 500 + T + H)
+    ws = moe.moe_workspace(g, T, E, k, H, 16)
+    dh = g.upload(h)
+    dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    g.fill(dw, 0xFF); g.fill(di, 0xFF); g.fill(ws["logits"], 0xFF)
+    moe.router_gpu(g, dh, router, dw, di, ws, k, eps)              # the launcher's pick (a tile kernel for T > 4)
+    lg, w, i = _router_outputs(g, ws, dw, di, T)
+    assert not np.any(g.download(ws["counters"])), "arrival counters not reset"
+    r = g.view(ws["r"], 0, (T, H), BF16)
+    rh = g.download(r)
+    # every kernel shape, old (w1, w4) and new, over the same r: the same bytes
+    for name in _ROUTER_KERNELS:
+        dw2, di2 = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+        g.fill(dw2, 0xFF); g.fill(di2, 0xFF); g.fill(ws["logits"], 0xFF)
+        _router_launch(g, name, r, router, ws, dw2, di2, T, H, E, k)
+        lg2, w2, i2 = _router_outputs(g, ws, dw2, di2, T)
+        assert not np.any(g.download(ws["counters"])), f"{name}: arrival counters not reset"
+        for what, a, b in (("logits", lg2, lg), ("weights", w2, w), ("idx", i2, i)):
+            bad = np.nonzero(np.any(a.view(np.uint8).reshape(T, -1) != b.view(np.uint8).reshape(T, -1), -1))[0]
+            assert bad.size == 0, f"T={T} E={E} H={H}: {name} {what} differ from router_gpu's at tokens {bad[:8]}"
+    # tokens alone (T=1: router_bf16, one warp per expert): the same bytes
+    for t in sorted({0, 1, T // 2, T - 1}):
+        ws1 = moe.moe_workspace(g, 1, E, k, H, 16)
+        dw1, di1 = g.empty((1, k), np.float32), g.empty((1, k), np.int32)
+        moe.router_gpu(g, g.upload(h[t:t + 1]), router, dw1, di1, ws1, k, eps, r=g.upload(rh[t:t + 1]))
+        l1, w1, i1 = _router_outputs(g, ws1, dw1, di1, 1)
+        assert l1.tobytes() == lg[t:t + 1].tobytes(), f"T={T}: token {t} logits alone != in the batch"
+        assert w1.tobytes() == w[t:t + 1].tobytes() and i1.tobytes() == i[t:t + 1].tobytes(), f"token {t} alone"
+    # float64 reference over the same (bf16) r
+    ref = rh.astype(np.float64) @ proj.astype(np.float64).T
+    err = np.abs(lg - ref).max() / np.abs(ref).max()
+    print(f"router v3 T={T} E={E} k={k} H={H}: logits vs f64 max err / max |logit| {err:.3e}")
+    assert err < 1e-5
+    p = np.exp(ref - ref.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    i_em = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    for t in range(T):
+        if not np.array_equal(i[t], i_em[t]):
+            assert np.allclose(p[t, i[t]], p[t, i_em[t]], rtol=1e-4, atol=1e-9), f"token {t}: {i[t]} vs {i_em[t]}"
+    top = np.take_along_axis(p, i.astype(np.int64), -1)
+    w_em = top / top.sum(-1, keepdims=True) * pes[i]
+    rel = np.abs(w - w_em) / np.abs(w_em)
+    print(f"router v3 T={T}: weights vs f64 max rel {rel.max():.3e}")
+    assert rel.max() < 1e-4
+
+
+@needs_gpu
+def test_gpu_router_v3_graph_replays(g):
+    """Replayed in a graph (counters reset by the last CTA of each token tile): the eager bytes every time."""
+    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
+    for T in (37, 300, 520):
+        h, proj, pes, router = _router_setup(g, T, E, H, 900 + T)
+        ws = moe.moe_workspace(g, T, E, k, H, 16)
+        dh = g.upload(h)
+        dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+        moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
+        want = _router_outputs(g, ws, dw, di, T)
+        r = g.view(ws["r"], 0, (T, H), BF16)
+        g.fill(dw, 0xFF); g.fill(di, 0xFF)
+        g.capture_begin()
+        for _ in range(3):
+            moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)
+        graph = g.capture_end()
+        for _ in range(2):
+            graph.replay()
+        g.sync()
+        graph.close()
+        got = _router_outputs(g, ws, dw, di, T)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), f"T={T}: graph replay != eager"
+        assert not np.any(g.download(ws["counters"]))
+
+
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 16, 64, 128, 256, 512, 2048])
+def test_gpu_router_v3_timing(g, T):
+    """Graph-replayed us per launch at the real shapes over a ready r: router_gpu's pick, then every kernel shape
+    (w1 / w4: the old router_bf16 with 1 / 4 warps per CTA). Printed for BENCHMARKS.md, not asserted."""
+    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
+    rng = np.random.default_rng(78)
+    router = moe.upload_router(g, bf(rng.normal(0, 1, (E, H))).astype(np.float32), np.ones(H, np.float32),
+                               np.ones(E, np.float32))
+    ws = moe.moe_workspace(g, T, E, k, H, 16)
+    dh, dw, di = g.upload(bf(rng.normal(0, 1, (T, H)))), g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    r = g.view(ws["r"], 0, (T, H), BF16)
+    moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)          # makes r
+    n = 200 if T <= 512 else 50
+    fma = T * E * H
+    line = []
+    for name in ["router_gpu"] + (_ROUTER_KERNELS if T > 4 else ["w1"]):
+        if (name == "w1" and T > 64) or (name == "w4" and T > 512):
+            continue                                             # slow; their figures are known
+        step = (lambda: moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)) if name == "router_gpu" else \
+               (lambda: _router_launch(g, name, r, router, ws, dw, di, T, H, E, k))
+        step()                                                   # eager first (shared-memory opt-in)
+        g.capture_begin()
+        for _ in range(n):
+            step()
+        graph = g.capture_end()
+        graph.replay()
+        ev0, ev1 = g.event(), g.event()
+        g.record(ev0)
+        graph.replay()
+        g.record(ev1)
+        us = g.elapsed_ms(ev0, ev1) / n * 1e3
+        graph.close()
+        line.append(f"{name} {us:.2f}")
+        print(f"router v3 T={T} {name}: {us:.2f} us/call ({fma / us / 1e6:.2f} TFMA/s fp32, "
+              f"r {T * H * 2 / us / 1e3:.0f} GB/s + proj {E * H * 2 / us / 1e3:.0f} GB/s)")
+    print(f"router v3 T={T} summary (us): " + ", ".join(line))
+    assert np.isin(g.download(di), np.arange(E)).all()
+    assert not np.any(g.download(ws["counters"]))
