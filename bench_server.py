@@ -309,6 +309,9 @@ def server_figures(model_dir, device="gpu", requests=128, cap=256, tau=0.8, ques
         t0 = time.monotonic()
         r.update(run_workload(s.port, reqs, timeout=workload_timeout))
         log(f"workload done in {time.monotonic() - t0:.1f} s")
+        if r["decisions_errors"]:                       # our bug: the server's own account of it, in the report
+            r["decisions_server_log_tail"] = s.log_tail(4000)
+            log(f"{r['decisions_errors']} requests failed; server log tail:\n{r['decisions_server_log_tail']}")
     r["server_exit_default"] = s.exit_code
     r["decisions_cap"], r["decisions_tau"] = cap, tau
     return r

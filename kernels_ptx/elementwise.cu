@@ -11,10 +11,12 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Programmatic dependent launch (gpu.launch(pdl=True)): pdl_entry() first in a kernel lets the next kernel launch
-// now (it waits for us the same way) and then waits until the previous kernel has finished and its writes are
-// visible. Nothing is read or written before the wait, so the order is the stream's; what overlaps is the
-// launch and the CTAs' start. Both instructions are no-ops in a launch without the attribute.
+// Programmatic dependent launch: pdl_entry() first in a kernel lets the next kernel launch now (the linear
+// kernels, launched with PDL, wait with griddepcontrol.wait before reading what we write) and then waits until
+// the previous kernel has finished and its writes are visible (a no-op in a launch without the PDL attribute).
+// The launchers of this file's kernels (and of attention.cu, router.cu, moe.cu, which share the entry) do NOT
+// set the attribute: with it the standard workload's server failed 56 of 128 requests on the H200 (2026-11-30,
+// 0 with SPAN02_PDL=0) while every GPU test passed; the race was not found. Only linear.cu's launches use PDL.
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry() {
     pdl_trigger();
