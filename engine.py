@@ -78,7 +78,8 @@ class Engine:
         if cfg.think_cost is not None:
             check_cost_table(cfg.think_cost)
         self.sched = Scheduler(model.num_blocks, cfg.max_batch, cfg.prefill_chunk,
-                               prefix_cache=cfg.prefix_cache, serial=cfg.serial)
+                               prefix_cache=cfg.prefix_cache, serial=cfg.serial,
+                               max_rows=getattr(model, "max_rows", None))
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: list[_Job] = []
         self.lock = threading.Lock()

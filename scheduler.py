@@ -131,10 +131,11 @@ class BlockPool:
 
 class Scheduler:
     def __init__(self, num_blocks, max_batch=64, prefill_chunk=512, step_tokens=None, prefix_cache=True,
-                 serial=False):
+                 serial=False, max_rows=None):
         self.pool = BlockPool(num_blocks, prefix_cache)
         self.max_batch, self.chunk, self.serial = max_batch, prefill_chunk, serial
         self.step_tokens = step_tokens or 4 * prefill_chunk   # prefill tokens per step (decode rows aside)
+        self.max_rows = max_rows            # the model's rows per step (every row: decode, chunks, probes); None: any
         self.waiting: list[list] = []       # groups: [order key, seqs not yet admitted, tag]
         self.running: list[Seq] = []        # admission order
         self.active = {}                    # group tag -> seqs not finished (serial: one group at a time)
@@ -242,7 +243,7 @@ class Scheduler:
     # -- steps
     def schedule(self) -> list[Work]:
         self._admit()
-        works, budget = [], self.step_tokens
+        works, budget, rows = [], self.step_tokens, 0
         for prefill in (False, True):               # decode and readout rows first: they are cheap
             for s in self.running:
                 if s.idle or (s.done < s.prompt_len) != prefill:
@@ -253,6 +254,9 @@ class Scheduler:
                     continue                         # whole chunks only: boundaries never depend on load
                 final = b == len(s.tokens)
                 toks = tuple(s.tokens[a:b]) + (s.probe if final else ())
+                if self.max_rows is not None and rows + len(toks) > self.max_rows and works:
+                    continue                         # the model's workspace: this seq goes in a later step
+                rows += len(toks)
                 while len(s.blocks) * BLOCK < a + len(toks):
                     self._alloc(s)
                 ims = tuple(i for i, (st, n, _) in enumerate(s.images) if a <= st and st + n <= b)

@@ -1536,6 +1536,31 @@ def test_serial_and_edf_admission_order():
     assert order(True) == ["late", "none", "soon", "soon2"]
 
 
+def test_step_rows_stay_within_max_rows():
+    """Decode rows, prefill chunks and probe rows together never exceed the model's rows per step (the GPU
+    workspace), and every seq still finishes: a chunk that does not fit waits, whole, for a later step."""
+    sched = Scheduler(num_blocks=400, max_batch=8, prefill_chunk=16, max_rows=40)
+    seqs = [Seq(list(range(20 + 7 * i, 80 + 7 * i)), 60 + 8) for i in range(8)]   # 60-token prompts
+    for i, q in enumerate(seqs):
+        sched.add([q], tag=i)
+    left = {id(q): 6 for q in seqs}                       # decode 6 more tokens each, with a 2-row probe
+    steps, most = 0, 0
+    while (works := sched.schedule()):
+        rows = sum(len(w.tokens) for w in works)
+        assert rows <= 40, f"step of {rows} rows"
+        most, steps = max(most, rows), steps + 1
+        sched.complete(works)
+        for w in works:
+            if w.final:
+                left[id(w.seq)] -= 1
+                if left[id(w.seq)] < 0:
+                    sched.finish(w.seq)
+                else:
+                    sched.extend(w.seq, feed=(5,), probe=(7, 8))
+        assert steps < 1000
+    assert all(v < 0 for v in left.values()) and most > 30     # done, and steps were filled near the cap
+
+
 def test_chunks_never_split_images():
     spans, sched = [], Scheduler(num_blocks=64, max_batch=2, prefill_chunk=16)
     sched.add([Seq(list(range(60)), 61, images=((5, 20, b"x"), (30, 4, b"y")))], tag=0)
