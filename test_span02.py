@@ -4244,42 +4244,11 @@ def test_gpu_moe_with_router(g, real):
     compare("moe with router T=5", g.download(out1), ref_experts(x.astype(np.float64), w, idx, deq, True))
 
 
-
-@needs_gpu
-@pytest.mark.parametrize("T", [1, 16, 64])
-def test_gpu_router_timing(g, T):
-    """router.cu's one launch (logits + top-k) at the real shapes over a ready router input r, graph-replayed;
-    printed for BENCHMARKS.md, not asserted."""
-    E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
-    rng = np.random.default_rng(78)
-    router = moe.upload_router(g, bf(rng.normal(0, 1, (E, H))).astype(np.float32), np.ones(H, np.float32),
-                               np.ones(E, np.float32))
-    ws = moe.moe_workspace(g, T, E, k, H, 16)
-    dh, dw, di = g.upload(bf(rng.normal(0, 1, (T, H)))), g.empty((T, k), np.float32), g.empty((T, k), np.int32)
-    r = g.view(ws["r"], 0, (T, H), BF16)
-    moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)          # makes r
-    n = 200
-    g.capture_begin()
-    for _ in range(n):
-        moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)
-    graph = g.capture_end()
-    graph.replay()
-    ev0, ev1 = g.event(), g.event()
-    g.record(ev0)
-    graph.replay()
-    g.record(ev1)
-    us = g.elapsed_ms(ev0, ev1) / n * 1e3
-    graph.close()
-    print(f"router T={T}: {us:.2f} us/call (one launch; proj {E * H * 2 / 1e6:.2f} MB -> "
-          f"{E * H * 2 / us / 1e3:.0f} GB/s)")
-    assert np.isin(g.download(di), np.arange(E)).all()
-
 # ====================================================================================================
 # === GPU decode graphs ===
 # ====================================================================================================
 # --- pure decode steps as one CUDA-graph replay per batch bucket (model_gpu, graphs=True) against the eager
 # step of a second instance (graphs=False): byte-identical outputs, no allocation, one host sync per step.
-
 
 
 @pytest.fixture(scope="module")

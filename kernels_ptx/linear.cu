@@ -574,6 +574,66 @@ template <int FMT> struct PrefillSmem {
     static constexpr int TOTAL = P_STAGES * STAGE;                          // fp8 34816 B, bf16 55296 B
 };
 
+// Shared by the prefill tiles `_p` and `_g128`:
+// one 64-K unit u of a CTA's ROWS_ weight rows (from row0) and TOK_ tokens (from t0) into a stage, every thread
+// issuing its 16-byte cp.async pieces (zero-filled outside N, T, K). W rows at WSTRIDE bytes (fp8: 4 pieces of 16
+// columns; bf16: 8 pieces of 8 columns), X rows at P_XSTRIDE.
+template <int FMT, int ROWS_, int TOK_, int WSTRIDE>
+__device__ __forceinline__ void stage_load(uint8_t *sw, uint8_t *sx, const void *__restrict__ W,
+                                           const __nv_bfloat16 *__restrict__ X, int u, int row0, int t0, int N,
+                                           int K, int T) {
+    const int tid = threadIdx.x;
+    if (FMT == FMT_BF16) {
+        const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(W);
+#pragma unroll
+        for (int i = 0; i < ROWS_ * 8 / 256; ++i) {
+            const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
+            const bool ok = row0 + r < N && k < K;
+            cp_async16(sw + r * WSTRIDE + 16 * c, ok ? (const void *)(w16 + (size_t)(row0 + r) * K + k) : W, ok);
+        }
+    } else {
+        const uint8_t *w8 = reinterpret_cast<const uint8_t *>(W);
+#pragma unroll
+        for (int i = 0; i < ROWS_ * 4 / 256; ++i) {
+            const int idx = tid + 256 * i, r = idx >> 2, c = idx & 3, k = (u << 6) + 16 * c;
+            const bool ok = row0 + r < N && k < K;
+            cp_async16(sw + r * WSTRIDE + 16 * c, ok ? (const void *)(w8 + (size_t)(row0 + r) * K + k) : W, ok);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < TOK_ * 8 / 256; ++i) {
+        const int idx = tid + 256 * i, tk = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
+        const bool ok = t0 + tk < T && k < K;
+        cp_async16(sx + tk * P_XSTRIDE + 16 * c, ok ? (const void *)(X + (size_t)(t0 + tk) * K + k) : (const void *)X, ok);
+    }
+}
+
+// The A fragments a[step j][reg] of one 16-row m-tile (rows r1 and r1 + 8 of the stage, lane q's 16 columns) for
+// mma_unit: bf16 words as stored, fp8 converted exactly (e4m3x4_to_bf16x4).
+template <int FMT, int WSTRIDE>
+__device__ __forceinline__ void stage_a(const uint8_t *sw, int r1, int q, uint32_t (&a)[4][4]) {
+    if (FMT == FMT_BF16) {
+        uint4 v[4] = {*reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q),
+                      *reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q + 16),
+                      *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q),
+                      *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q + 16)};
+        const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&v[0]), *rhw = reinterpret_cast<const uint32_t *>(&v[2]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
+        }
+    } else {
+        const uint4 vg = *reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 16 * q);
+        const uint4 vh = *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 16 * q);
+        const uint32_t rgw[4] = {vg.x, vg.y, vg.z, vg.w}, rhw[4] = {vh.x, vh.y, vh.z, vh.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
+            e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
+        }
+    }
+}
+
 // acc[slice][token tile][D fragment] = the slice sums of the warp's 16 rows x 16 tokens over all of K.
 template <int FMT>
 __device__ __forceinline__ void prefill_mainloop(uint8_t *smem, const void *__restrict__ W, const float *__restrict__ S,
@@ -584,26 +644,9 @@ __device__ __forceinline__ void prefill_mainloop(uint8_t *smem, const void *__re
     const int wr = warp & 3, wt = warp >> 2;                  // warp's 16-row group and 16-token group
     const int units = (K + 63) >> 6;
 
-    // stage loader for unit u: every thread issues its 16-byte pieces (zero-filled outside N, T, K)
     auto load = [&](int u, int stage) {
-        uint8_t *sw = smem + stage * SM::STAGE, *sx = sw + SM::WBYTES;
-        if (FMT == FMT_BF16) {
-            const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(W);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {                     // 64 rows x 8 pieces of 8 columns
-                const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
-                const bool ok = row0 + r < N && k < K;
-                cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w16 + (size_t)(row0 + r) * K + k) : W, ok);
-            }
-        } else {                                              // 64 rows x 4 pieces of 16 columns
-            const int r = tid >> 2, c = tid & 3, k = (u << 6) + 16 * c;
-            const bool ok = row0 + r < N && k < K;
-            const uint8_t *w8 = reinterpret_cast<const uint8_t *>(W);
-            cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w8 + (size_t)(row0 + r) * K + k) : W, ok);
-        }
-        const int tk = tid >> 3, c = tid & 7, k = (u << 6) + 8 * c;   // 32 tokens x 8 pieces of 8 columns
-        const bool ok = t0 + tk < T && k < K;
-        cp_async16(sx + tk * P_XSTRIDE + 16 * c, ok ? (const void *)(X + (size_t)(t0 + tk) * K + k) : (const void *)X, ok);
+        uint8_t *sw = smem + stage * SM::STAGE;
+        stage_load<FMT, P_ROWS, P_TOK, SM::WSTRIDE>(sw, sw + SM::WBYTES, W, X, u, row0, t0, N, K, T);
     };
 
 #pragma unroll
@@ -628,28 +671,8 @@ __device__ __forceinline__ void prefill_mainloop(uint8_t *smem, const void *__re
             if (u + P_STAGES - 1 < units) load(u + P_STAGES - 1, (s + P_STAGES - 1) % P_STAGES);
             cp_async_commit();                                // (maybe empty) keeps the group count uniform
             const uint8_t *sw = smem + (s % P_STAGES) * SM::STAGE, *sx = sw + SM::WBYTES;
-            const int r1 = 16 * wr + g;                       // rows g and g+8 of the warp's group
             uint32_t a[4][4];
-            if (FMT == FMT_BF16) {
-                uint4 v[4] = {*reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q),
-                              *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q + 16),
-                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q),
-                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q + 16)};
-                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&v[0]), *rhw = reinterpret_cast<const uint32_t *>(&v[2]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
-                }
-            } else {
-                const uint4 vg = *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 16 * q);
-                const uint4 vh = *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 16 * q);
-                const uint32_t rgw[4] = {vg.x, vg.y, vg.z, vg.w}, rhw[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
-                    e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
-                }
-            }
+            stage_a<FMT, SM::WSTRIDE>(sw, 16 * wr + g, q, a);           // rows g and g+8 of the warp's group
             float bscale = 0.f;
             if (FMT == FMT_FP8BLK) bscale = __ldg(S + (size_t)(row0 >> 7) * s_arg + (u >> 1));
 #pragma unroll
@@ -765,30 +788,8 @@ __device__ __forceinline__ void gemm_mainloop(uint8_t *smem, const void *__restr
     const int units = (K + 63) >> 6;
 
     auto load = [&](int u, int stage) {
-        uint8_t *sw = smem + stage * SM::STAGE, *sx = sw + SM::WBYTES;
-        if (FMT == FMT_BF16) {
-            const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(W);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {                     // 128 rows x 8 pieces of 8 columns
-                const int idx = tid + 256 * i, r = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
-                const bool ok = row0 + r < N && k < K;
-                cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w16 + (size_t)(row0 + r) * K + k) : W, ok);
-            }
-        } else {
-            const uint8_t *w8 = reinterpret_cast<const uint8_t *>(W);
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {                     // 128 rows x 4 pieces of 16 columns
-                const int idx = tid + 256 * i, r = idx >> 2, c = idx & 3, k = (u << 6) + 16 * c;
-                const bool ok = row0 + r < N && k < K;
-                cp_async16(sw + r * SM::WSTRIDE + 16 * c, ok ? (const void *)(w8 + (size_t)(row0 + r) * K + k) : W, ok);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < SM::TOK * 8 / 256; ++i) {         // TOK tokens x 8 pieces of 8 columns
-            const int idx = tid + 256 * i, tk = idx >> 3, c = idx & 7, k = (u << 6) + 8 * c;
-            const bool ok = t0 + tk < T && k < K;
-            cp_async16(sx + tk * P_XSTRIDE + 16 * c, ok ? (const void *)(X + (size_t)(t0 + tk) * K + k) : (const void *)X, ok);
-        }
+        uint8_t *sw = smem + stage * SM::STAGE;
+        stage_load<FMT, G_ROWS, SM::TOK, SM::WSTRIDE>(sw, sw + SM::WBYTES, W, X, u, row0, t0, N, K, T);
     };
 
     float acc[2][NW][4];
@@ -812,29 +813,7 @@ __device__ __forceinline__ void gemm_mainloop(uint8_t *smem, const void *__restr
         const uint8_t *sw = smem + (i % G_STAGES) * SM::STAGE, *sx = sw + SM::WBYTES;
         uint32_t a[2][4][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            const int r1 = 32 * wr + 16 * mt + g;             // rows g and g+8 of m-tile mt
-            if (FMT == FMT_BF16) {
-                uint4 v[4] = {*reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q),
-                              *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 32 * q + 16),
-                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q),
-                              *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 32 * q + 16)};
-                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&v[0]), *rhw = reinterpret_cast<const uint32_t *>(&v[2]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    a[mt][j][0] = rgw[2 * j]; a[mt][j][1] = rhw[2 * j]; a[mt][j][2] = rgw[2 * j + 1]; a[mt][j][3] = rhw[2 * j + 1];
-                }
-            } else {
-                const uint4 vg = *reinterpret_cast<const uint4 *>(sw + r1 * SM::WSTRIDE + 16 * q);
-                const uint4 vh = *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * SM::WSTRIDE + 16 * q);
-                const uint32_t rgw[4] = {vg.x, vg.y, vg.z, vg.w}, rhw[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    e4m3x4_to_bf16x4(rgw[j], a[mt][j][0], a[mt][j][2]);
-                    e4m3x4_to_bf16x4(rhw[j], a[mt][j][1], a[mt][j][3]);
-                }
-            }
-        }
+        for (int mt = 0; mt < 2; ++mt) stage_a<FMT, SM::WSTRIDE>(sw, 32 * wr + 16 * mt + g, q, a[mt]);   // rows g, g+8
 #pragma unroll
         for (int n = 0; n < NW; ++n) {
             const uint8_t *xr = sx + (8 * NW * wt + 8 * n + g) * P_XSTRIDE + 32 * q;   // token g of tile n

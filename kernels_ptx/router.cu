@@ -97,6 +97,26 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
     }
 }
 
+// After every thread of the CTA has written its logits: the last CTA of token group blockIdx.y to arrive
+// (counters[blockIdx.y], an int zeroed once at allocation) resets the counter for the next launch (graph replays)
+// and runs the top-k of tokens t0 .. t0 + nt - 1, warp w taking tokens w, w + warps, ...
+__device__ __forceinline__ void arrive_then_topk(int* counters, const float* logits, const float* __restrict__ pes,
+                                                 float* __restrict__ weights, int* __restrict__ idx, int t0, int nt,
+                                                 int T, int E, int k) {
+    __shared__ int last;
+    __threadfence();                                       // this thread's logits, visible before the arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.y, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[blockIdx.y] = 0;
+    for (int tt = threadIdx.x >> 5; tt < nt; tt += blockDim.x >> 5) {
+        const int t = t0 + tt;
+        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+    }
+}
+
 // grid (ceil(E/EW), ceil(T/RT)), block 32*EW, EW = blockDim.x / 32 experts per CTA (1..4; the launcher picks EW
 // = 1 when T <= RT: 128 one-warp CTAs at E = 128, so every expert row streams from its own warp at once; else 4).
 // Warp w of CTA (bx, by) computes the logits of expert e = bx*EW + w for tokens by*RT .. +RT-1 (lane c-chunks:
@@ -111,7 +131,6 @@ extern "C" __global__ void __launch_bounds__(128) router_bf16(
     const bf16* __restrict__ r, const bf16* __restrict__ proj, const float* __restrict__ pes,
     float* logits, int* counters, float* __restrict__ weights, int* __restrict__ idx, int T, int H, int E, int k) {
     pdl_trigger();                                         // (PDL) the expert rows are fetched before the wait
-    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ew = blockDim.x >> 5;
     const int e = blockIdx.x * ew + warp, t0 = blockIdx.y * RT;
     if (e < E) {
@@ -158,17 +177,7 @@ extern "C" __global__ void __launch_bounds__(128) router_bf16(
         }
     }
     pdl_wait();                                            // warps without an expert: before the counter
-    __threadfence();                                       // this thread's logits, visible before the arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.y, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) counters[blockIdx.y] = 0;        // ready for the next launch (graph replays)
-    for (int tt = warp; tt < RT; tt += ew) {
-        const int t = t0 + tt;
-        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
-    }
+    arrive_then_topk(counters, logits, pes, weights, idx, t0, RT, T, E, k);
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -246,7 +255,6 @@ __device__ __forceinline__ void router_tile(
     static_assert((N & (N - 1)) == 0 && N % G == 0, "NT*NE: a power of two");
     static_assert(TT >= 4, "one arrival counter per >= 4 tokens (moe_workspace's (T+3)/4 counters)");
     extern __shared__ uint4 stage[];                     // [ST][ROWS][32] uint4
-    __shared__ int last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wt = warp / WE, we = warp % WE;
     const int t0 = blockIdx.y * TT, e0 = blockIdx.x * EC;
@@ -333,17 +341,7 @@ __device__ __forceinline__ void router_tile(
         if ((lane & ((1 << SH) - 1)) == 0 && t < T && e < E) logits[(size_t)t * E + e] = s;
     }
 
-    __threadfence();                                     // this thread's logits, visible before the arrival
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.y, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x == 0) counters[blockIdx.y] = 0;      // ready for the next launch (graph replays)
-    for (int tt = warp; tt < TT; tt += NTH / 32) {
-        const int t = t0 + tt;
-        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
-    }
+    arrive_then_topk(counters, logits, pes, weights, idx, t0, TT, T, E, k);
 }
 
 // router_bf16_t<TT>x<EC>: grid (ceil(E/EC), ceil(T/TT)), block 32*WT*WE, dynamic shared ST*(TT+EC)*512 bytes
