@@ -5670,18 +5670,7 @@ def test_gpu_router_v3_timing(g, T):
             continue                                             # slow; their figures are known
         step = (lambda: moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)) if name == "router_gpu" else \
                (lambda: _router_launch(g, name, r, router, ws, dw, di, T, H, E, k))
-        step()                                                   # eager first (shared-memory opt-in)
-        g.capture_begin()
-        for _ in range(n):
-            step()
-        graph = g.capture_end()
-        graph.replay()
-        ev0, ev1 = g.event(), g.event()
-        g.record(ev0)
-        graph.replay()
-        g.record(ev1)
-        us = g.elapsed_ms(ev0, ev1) / n * 1e3
-        graph.close()
+        us = _graph_time(g, step, reps=n, replays=1) * 1e3      # (warms up eagerly: the shared-memory opt-in)
         line.append(f"{name} {us:.2f}")
         print(f"router v3 T={T} {name}: {us:.2f} us/call ({fma / us / 1e6:.2f} TFMA/s fp32, "
               f"r {T * H * 2 / us / 1e3:.0f} GB/s + proj {E * H * 2 / us / 1e3:.0f} GB/s)")
