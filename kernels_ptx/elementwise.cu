@@ -11,13 +11,11 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Programmatic dependent launch: pdl_entry() first in a kernel lets the next kernel launch now (the linear
-// kernels, launched with PDL, wait with griddepcontrol.wait before reading what we write) and then waits until
-// the previous kernel has finished and its writes are visible (a no-op in a launch without the PDL attribute).
-// The launchers of this file's kernels (and of attention.cu, router.cu, moe.cu, which share the entry) do not set
-// the attribute yet: only linear.cu's launches use PDL. With it on every launch the whole GPU suite passed and the
-// batch-1 step took 3.214 ms against 3.477 with SPAN02_PDL=0 (H200, 2026-11-30), but the standard workload could
-// not be rerun with it after its failures turned out to be a scheduler bug (steps over the workspace's rows).
+// Programmatic dependent launch (gpu.launch(pdl=True), set by every launcher of this file, attention.cu, router.cu
+// and moe.cu, which share the entry): pdl_entry() first in a kernel lets the next kernel launch now (it waits for us
+// the same way) and then waits until the previous kernel has finished and its writes are visible. Nothing is read
+// or written before the wait, so the order is the stream's; what overlaps is the launch and the CTAs' start. Both
+// instructions are no-ops in a launch without the attribute (SPAN02_PDL=0 turns it off everywhere).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry() {
     pdl_trigger();
