@@ -1,8 +1,9 @@
 """The CUDA driver runtime on cuda-python (cuda.bindings.driver): the primary context of device 0, one
 non-blocking stream, device buffers, PTX modules from kernels_ptx/, kernel launch, CUDA graphs, events.
 
-Everything runs on the one stream `g.stream`, so work is ordered; the host waits only in `download`,
-`sync` and `elapsed_ms`. Every driver result goes through `check`. Buffers are freed explicitly
+Everything runs on the one stream `g.stream`, so work is ordered, except inside `with g.branch():`, whose
+launches go to a second stream that runs beside the main one until `g.join()`; the host waits only in
+`download`, `sync` and `elapsed_ms`. Every driver result goes through `check`. Buffers are freed explicitly
 (`a.close()`, `g.free(a)`, or all at once by `g.close()`): a captured graph keeps raw pointers, so memory
 must never vanish behind its back through garbage collection.
 
@@ -10,6 +11,7 @@ must never vanish behind its back through garbage collection.
     g.launch(f, grid=(T, 1, 1), block=(256, 1, 1), args=[out, x, None, T, 2816, 1e-6])
     g.capture_begin(); ...launches...; graph = g.capture_end(); graph.replay(); y = g.download(out)
 """
+import contextlib
 import ctypes
 import os
 
@@ -172,6 +174,13 @@ class GPU:
         self._pdl_attr = cu.CUlaunchAttribute()
         self._pdl_attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         self._pdl_attr.value.programmaticStreamSerializationAllowed = 1
+        # branches: a second stream for work that may run beside the main stream's (see branch / join)
+        self.branches = os.environ.get("SPAN02_BRANCHES", "1") != "0"
+        self.main_stream = self.stream
+        self.side_stream = None            # made by the first branch()
+        self._fork_ev = self._join_ev = None
+        self._joined = True                # no side work the main stream has not waited for
+        self._plain_next = set()           # streams whose next launch must not use PDL (after a fork / join)
 
     check = staticmethod(check)
 
@@ -243,7 +252,8 @@ class GPU:
         check(cu.cuMemsetD8Async(a.ptr, int(byte) & 0xFF, a.nbytes, self.stream), "cuMemsetD8Async")
 
     def sync(self):
-        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self.join()
+        check(cu.cuStreamSynchronize(self.main_stream), "cuStreamSynchronize")
 
     # --- kernels ---------------------------------------------------------------------------------------
     def module(self, name):
@@ -277,6 +287,9 @@ class GPU:
         packed = [_arg(a) for a in args]
         params = (tuple(v for v, _ in packed), tuple(t for _, t in packed))
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        if self._plain_next and id(self.stream) in self._plain_next:
+            self._plain_next.discard(id(self.stream))
+            pdl = False                    # the first launch after a fork / join: a plain, full dependency
         if pdl and self.pdl:
             cfg = cu.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
@@ -293,6 +306,45 @@ class GPU:
         if self.launch_hook is not None:
             self.launch_hook(f.name, grid, block, nbytes)
 
+    # --- branches --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def branch(self):
+        """The launches (and copies) inside go to a second stream that starts after everything the main stream
+        has been given so far and runs beside what the main stream gets next, until `join()` makes the main
+        stream wait for it. Captured into a graph, this is a fork and a join of the graph. The branch's work
+        must not touch what the main stream's work between the fork and the join writes (the caller's
+        contract). With SPAN02_BRANCHES=0 (`self.branches` False) the launches simply stay on the main stream.
+        The first launch on either stream after the fork, and on the main stream after the join, is plain
+        (no PDL): its dependency crosses streams."""
+        if not self.branches:
+            yield
+            return
+        if self.stream is not self.main_stream or not self._joined:
+            raise RuntimeError("branch(): one branch at a time, joined before the next")
+        if self.side_stream is None:
+            self.side_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._fork_ev, self._join_ev = (check(cu.cuEventCreate(flags), "cuEventCreate") for _ in range(2))
+        check(cu.cuEventRecord(self._fork_ev, self.main_stream), "cuEventRecord (fork)")
+        check(cu.cuStreamWaitEvent(self.side_stream, self._fork_ev, 0), "cuStreamWaitEvent (fork)")
+        self._joined = False
+        self._plain_next |= {id(self.main_stream), id(self.side_stream)}
+        self.stream = self.side_stream
+        try:
+            yield
+        finally:
+            self.stream = self.main_stream
+            self._joined = False           # (a sync inside the branch joined what came before it, not after)
+
+    def join(self):
+        """The main stream waits for the work of the last branch (a no-op when there is none to wait for)."""
+        if self._joined:
+            return
+        check(cu.cuEventRecord(self._join_ev, self.side_stream), "cuEventRecord (join)")
+        check(cu.cuStreamWaitEvent(self.main_stream, self._join_ev, 0), "cuStreamWaitEvent (join)")
+        self._joined = True
+        self._plain_next.add(id(self.main_stream))
+
     # --- graphs and events -----------------------------------------------------------------------------
     def capture_begin(self, global_mode=False):
         """Start recording the stream's work into a graph. Thread-local mode by default: other threads may keep
@@ -305,6 +357,10 @@ class GPU:
     def capture_end(self):
         """Stop recording; returns the instantiated Graph (the template graph is destroyed)."""
         launches, self._capture_launches = self._capture_launches, None
+        if not self._joined:               # our bug: the capture would fail with an unjoined fork
+            self._joined = True
+            cu.cuStreamEndCapture(self.stream)    # ends the (invalid) capture; its error is the one below
+            raise RuntimeError("capture_end() with a branch not joined")
         graph = check(cu.cuStreamEndCapture(self.stream), "cuStreamEndCapture")
         try:
             exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
@@ -338,5 +394,9 @@ class GPU:
         for m in self._modules.values():
             check(cu.cuModuleUnload(m.handle), "cuModuleUnload")
         self._modules.clear()
-        check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        if self.side_stream is not None:
+            for ev in (self._fork_ev, self._join_ev):
+                check(cu.cuEventDestroy(ev), "cuEventDestroy")
+            check(cu.cuStreamDestroy(self.side_stream), "cuStreamDestroy")
+        check(cu.cuStreamDestroy(self.main_stream), "cuStreamDestroy")
         check(cu.cuDevicePrimaryCtxRelease(self.device), "cuDevicePrimaryCtxRelease")

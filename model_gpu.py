@@ -188,13 +188,18 @@ class GpuModel(StepTools):
         post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
                             w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,       # h = x + norm(a); xn, e_in, r
                             router=(r, w["experts"]["router_scale"], H ** -0.5))
+        # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
+        # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
+        # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch).
         act = self._v("act", T, I)
-        gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
-        m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
+        with g.branch():
+            gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
+            m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
         moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws)
+        g.join()
         # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
         nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None
         post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
@@ -412,7 +417,8 @@ class GpuModel(StepTools):
 
     def _profile(self, body, reps):
         """[{"kernel", "us", "bytes"}] of the launches body() makes: captured into a graph with an event recorded
-        after every launch, replayed `reps` times (the last one counts)."""
+        after every launch, replayed `reps` times (the last one counts). Branches are off here (every launch on
+        the one stream), so each interval is one kernel's."""
         g = self.g
         marks = []                                   # (event, kernel, bytes) after each launch
 
@@ -421,13 +427,14 @@ class GpuModel(StepTools):
             g.record(ev, external=True)
             marks.append((ev, name, nbytes))
         start = g.event()
+        branches, g.branches = g.branches, False
         g.capture_begin()
         try:
             g.record(start, external=True)
             g.launch_hook = hook
             body()
         finally:
-            g.launch_hook = None
+            g.launch_hook, g.branches = None, branches
             graph = g.capture_end()
         try:
             for _ in range(reps):
