@@ -180,7 +180,6 @@ class GPU:
         self.side_stream = None            # made by the first branch()
         self._fork_ev = self._join_ev = None
         self._joined = True                # no side work the main stream has not waited for
-        self._plain_next = set()           # streams whose next launch must not use PDL (after a fork / join)
 
     check = staticmethod(check)
 
@@ -287,9 +286,6 @@ class GPU:
         packed = [_arg(a) for a in args]
         params = (tuple(v for v, _ in packed), tuple(t for _, t in packed))
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        if self._plain_next and id(self.stream) in self._plain_next:
-            self._plain_next.discard(id(self.stream))
-            pdl = False                    # the first launch after a fork / join: a plain, full dependency
         if pdl and self.pdl:
             cfg = cu.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
@@ -314,8 +310,8 @@ class GPU:
         stream wait for it. Captured into a graph, this is a fork and a join of the graph. The branch's work
         must not touch what the main stream's work between the fork and the join writes (the caller's
         contract). With SPAN02_BRANCHES=0 (`self.branches` False) the launches simply stay on the main stream.
-        The first launch on either stream after the fork, and on the main stream after the join, is plain
-        (no PDL): its dependency crosses streams."""
+        A PDL launch right after the fork or the join gets a programmatic edge from the kernel(s) it depends on,
+        in the other stream too: it waits (griddepcontrol.wait) for them like for its own stream's kernel."""
         if not self.branches:
             yield
             return
@@ -328,7 +324,6 @@ class GPU:
         check(cu.cuEventRecord(self._fork_ev, self.main_stream), "cuEventRecord (fork)")
         check(cu.cuStreamWaitEvent(self.side_stream, self._fork_ev, 0), "cuStreamWaitEvent (fork)")
         self._joined = False
-        self._plain_next |= {id(self.main_stream), id(self.side_stream)}
         self.stream = self.side_stream
         try:
             yield
@@ -343,7 +338,6 @@ class GPU:
         check(cu.cuEventRecord(self._join_ev, self.side_stream), "cuEventRecord (join)")
         check(cu.cuStreamWaitEvent(self.main_stream, self._join_ev, 0), "cuStreamWaitEvent (join)")
         self._joined = True
-        self._plain_next.add(id(self.main_stream))
 
     # --- graphs and events -----------------------------------------------------------------------------
     def capture_begin(self, global_mode=False):

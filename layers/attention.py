@@ -147,7 +147,7 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     f = g.module("attention").function("qk_norm_rope_bf16")
     g.launch(f, grid=(T, Hq + 2 * Hkv, 1), block=(D // 2, 1, 1),
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
-                   q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb], pdl=True)
+                   q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
 
 
 def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
@@ -168,7 +168,7 @@ def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
         return
     f = g.module("attention").function("kv_write_bf16")
     g.launch(f, grid=(T, 1, 1), block=(128, 1, 1),
-             args=[k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables, block_tables.shape[1], Hkv * D], pdl=True)
+             args=[k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables, block_tables.shape[1], Hkv * D])
 
 
 def attention_slots(max_keys):
@@ -241,7 +241,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if T > ATTN_SPLIT_ROWS:
         rp = 32 // G                                     # positions per fused tile (2 m16 tiles of rows)
         g.launch(mod.function(f"attn_fused_bf16_d{D}"), grid=((T + rp - 1) // rp, Hkv, 1), block=(D, 1, 1),
-                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, 2), pdl=True)
+                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, 2))
         return
     own = work is None
     if own:
@@ -259,10 +259,10 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         for row0 in range(0, T, group):
             n = min(group, T - row0)
             g.launch(fs, grid=(n, Hkv, zc), block=(D // 2, 1, 1),
-                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1), pdl=True)
+                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
-                           row0, Hq, D, slots, out], pdl=True)
+                           row0, Hq, D, slots, out])
     finally:
         if own:
             g.sync()                                     # the kernels must be done with it before the free

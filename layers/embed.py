@@ -40,7 +40,7 @@ def embed_gpu(g, table, ids, out, scale):
     assert table.dtype == out.dtype == BF16 and ids.dtype == np.int32 and out.shape == (T, H), (table, ids, out)
     vec = 8 if H % 8 == 0 and table.ptr % 16 == 0 and out.ptr % 16 == 0 else 1   # same bytes either way
     f = g.module("elementwise").function("embed_bf16")
-    g.launch(f, grid=(T, 1, 1), block=(256, 1, 1), args=[out, table, ids, T, H, V, float(scale), vec], pdl=True)
+    g.launch(f, grid=(T, 1, 1), block=(256, 1, 1), args=[out, table, ids, T, H, V, float(scale), vec])
 
 
 def softcap_gpu(g, logits, cap):
@@ -48,7 +48,7 @@ def softcap_gpu(g, logits, cap):
     assert logits.dtype == np.float32, logits
     n = logits.size
     f = g.module("elementwise").function("softcap_f32")
-    g.launch(f, grid=(max(1, -(-n // 256)), 1, 1), block=(256, 1, 1), args=[logits, gpu.i64(n), float(cap)], pdl=True)
+    g.launch(f, grid=(max(1, -(-n // 256)), 1, 1), block=(256, 1, 1), args=[logits, gpu.i64(n), float(cap)])
 
 
 def head_work_bytes(T, V):
@@ -60,8 +60,7 @@ def _head_pass1(g, name, logits, work):
     T, V = logits.shape
     assert logits.dtype == np.float32 and work.nbytes >= head_work_bytes(T, V) and T <= 65535, (logits, work)
     C = -(-V // HEAD_CHUNK)
-    g.launch(g.module("elementwise").function(name), grid=(C, T, 1), block=(256, 1, 1), args=[logits, work, T, V],
-             pdl=True)
+    g.launch(g.module("elementwise").function(name), grid=(C, T, 1), block=(256, 1, 1), args=[logits, work, T, V])
     return T, V, C
 
 
@@ -70,7 +69,7 @@ def argmax_gpu(g, logits, out, work):
     T, V, C = _head_pass1(g, "argmax_partial_f32", logits, work)
     assert out.dtype == np.int32 and out.shape == (T,), out
     g.launch(g.module("elementwise").function("argmax_final_f32"), grid=(T, 1, 1), block=(32, 1, 1),
-             args=[work, out, T, C], pdl=True)
+             args=[work, out, T, C])
 
 
 def readout_gpu(g, logits, keys, lse, keys_out, work):
@@ -82,4 +81,4 @@ def readout_gpu(g, logits, keys, lse, keys_out, work):
     assert keys.dtype == np.int32 and lse.dtype == keys_out.dtype == np.float32, (keys, lse, keys_out)
     assert lse.shape == (T,) and keys_out.shape == (T, K), (lse, keys_out)
     g.launch(g.module("elementwise").function("readout_final_f32"), grid=(T, 1, 1), block=(32, 1, 1),
-             args=[work, logits, keys, lse, keys_out, T, V, C, K], pdl=True)
+             args=[work, logits, keys, lse, keys_out, T, V, C, K])

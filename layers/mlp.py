@@ -22,7 +22,7 @@ def gelu_mul_gpu(g, gate, up, out):
     n = int(np.prod(gate.shape))
     if n:
         g.launch(g.module("elementwise").function("gelu_mul_bf16"), grid=(-(-n // 256), 1, 1), block=(256, 1, 1),
-                 args=[out, gate, up, gpu.i64(n)], pdl=True)
+                 args=[out, gate, up, gpu.i64(n)])
 
 
 def gate_up_gelu_gpu(g, x, w_gate, w_up, act):

@@ -40,7 +40,7 @@ def rmsnorm_gpu(g, x, w, out, eps, add=None, scale=None, ld_x=None, ld_out=None)
                                          "rmsnorm_add_bf16" if scale is None else "rmsnorm_add_scale_bf16")
     args = [out, x, w] + ([] if add is None else [add]) + [rows, n, heads, gpu.i64(ld_x), gpu.i64(ld_out),
                                                            float(eps)] + ([] if scale is None else [float(scale)])
-    g.launch(f, grid=(-(-rows // rpb), 1, 1), block=(tpr, rpb, 1), args=args + [vec], pdl=True)
+    g.launch(f, grid=(-(-rows // rpb), 1, 1), block=(tpr, rpb, 1), args=args + [vec])
 
 
 def _fused_tpr(x):
@@ -72,7 +72,7 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
         return
     r, scale, root = router if router else (None, None, 1.0)
     g.launch(g.module("elementwise").function("post_attn_norms_bf16"), grid=(T,), block=(tpr,),
-             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale, float(root)], pdl=True)
+             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale, float(root)])
 
 
 def router_input_gpu(g, h, scale, r, eps, root):
@@ -84,7 +84,7 @@ def router_input_gpu(g, h, scale, r, eps, root):
     if tpr is None or r.ptr % 16 or scale.ptr % 16:
         raise ValueError(f"router_input_gpu: needs n % 8 == 0, n <= 8192 and 16-byte aligned rows (n={n})")
     g.launch(g.module("elementwise").function("router_input_bf16"), grid=(T,), block=(tpr,),
-             args=[r, h, scale, n, float(eps), float(root)], pdl=True)
+             args=[r, h, scale, n, float(eps), float(root)])
 
 
 def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None):
@@ -105,4 +105,4 @@ def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=No
         return
     g.launch(g.module("elementwise").function("post_ffn_norms_bf16"), grid=(T,), block=(tpr,),
              args=[x, xn if w_next is not None else None, m, e, h, w1, w2, w3, w_next, n, float(eps),
-                   float(scale)], pdl=True)
+                   float(scale)])
