@@ -19,9 +19,11 @@
 
 // Programmatic dependent launch entry (elementwise.cu explains it): launch the next kernel now, then wait for the
 // previous one; nothing is read or written before the wait. No-ops in a launch without the attribute.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_entry() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    pdl_trigger();
+    pdl_wait();
 }
 
 typedef __nv_bfloat16 bf16;
@@ -583,6 +585,10 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_direct(
 // arithmetic). grid (H/16, T), block 32*k*S (launcher: S = 2 at k = 8 -> 512 threads, 16 warps; 176 CTAs at
 // T = 1, up to 2 per SM (64 registers); each warp 3 of the 6 units at I = 704, D = 2 in flight). Dynamic shared:
 // k*I bf16 (the token's u rows, slot rank order) + k*nsu*16 fp32 partials, nsu = ceil(I/128).
+// PDL: launched with the attribute right after moe_gate_up_direct, which is launched WITHOUT it (so the router, or
+// the upload, that wrote idx and weights had finished before moe_gate_up_direct began, and so before this kernel
+// could launch): idx is read and the first down rows are fetched before griddepcontrol.wait; u (moe_gate_up_direct's
+// output) is read and out written only after it.
 #define DN_DIRECT_D 2
 extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     const bf16* __restrict__ u,          // (P, I) pair order
@@ -593,7 +599,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     bf16* __restrict__ out,              // (T, H)
     int H, int I, int k, int E)
 {
-    pdl_entry();
+    pdl_trigger();
     extern __shared__ __align__(16) unsigned char smem_dd[];
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
@@ -619,6 +625,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
         #pragma unroll
         for (int r = 0; r < DN_DIRECT_D; ++r) ring.load(r, j + S * r);
     }
+    pdl_wait();                                                   // u follows moe_gate_up_direct
     // the valid slots' u rows -> shared, slot rank r at r*I (all threads)
     for (int i = threadIdx.x; i < nv * (I >> 3); i += blockDim.x) {
         const int r = i / (I >> 3), c = i - r * (I >> 3);

@@ -152,10 +152,15 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     # (2026-11-30, us per call at T = 1 / 16 / 64 / 128 / 512 / 2048): router_bf16 with one-warp CTAs 8.2 at T=1,
     # with 4-warp CTAs 10.6 at 16 (t8x8 13.4); t8x8 14.0 at 64 (router_bf16 17.1) and 17.2 at 128; t16x32 25.1 at
     # 512 (router_bf16 66.4); t16x16 76.8 at 2048 (t16x32 82.9).
+    # PDL (the expert rows are fetched before the wait) on router_bf16 only: measured on the H200 (2026-11-30, one
+    # process, graphs recaptured, median of 3 rounds) with router_bf16 and moe_down_combine_direct PDL-launched,
+    # the batch-1 step went 2.907 -> 2.846 ms and batch 16 8.948 -> 8.632, but with the batch kernels too batch 64
+    # went 17.497 -> 18.227 ms: their early CTAs (40 KB of shared memory each) hold SMs that the dense MLP
+    # running beside them on its branch needs.
     if T <= 16:
         ew = 1 if T <= 4 else 4                  # experts (warps) per CTA
         g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4),
-                 block=(32 * ew,), args=args, nbytes=E * H * 2)
+                 block=(32 * ew,), args=args, nbytes=E * H * 2, pdl=True)
         return
     # (kernel, tokens, experts per CTA, threads, stages): router.cu's ROUTER_TILE table
     name, tt, ec, nth, st = (("router_bf16_t8x8", 8, 8, 128, 5) if T <= 128 else
@@ -266,7 +271,8 @@ def _experts_direct(g, x, weights, idx, ex, out, ws, T, k):
                 args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=sh_gu)),
             ("down_combine_direct", lambda: g.launch(
                 m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k * s_dn,),
-                args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=sh_dn))]
+                args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=sh_dn,
+                pdl=True))]                       # reads idx before its wait: gate_up_direct must stay without PDL
 
 
 _GSTAGES = 3        # cp.async stages of the grouped kernels (GSTAGES in moe.cu)
