@@ -1,6 +1,7 @@
 """span02 tests, in tiers: number formats and the loader; the numpy reference against transformers;
 the prompt layer; image preprocessing and the vision tower; the server end to end with a real client.
 GPU tests skip themselves where there is no GPU. Run: python -m pytest test_span02.py"""
+import asyncio
 import base64
 import concurrent.futures
 import copy
@@ -27,6 +28,7 @@ import tracemalloc
 import urllib.request
 import zlib
 
+import h11
 import ml_dtypes
 import numpy as np
 import pytest
@@ -2174,6 +2176,21 @@ def test_no_vision_tower():
 
 
 # --- transport ------------------------------------------------------------------------------------
+
+def test_engine_wait_leaves_the_reader_free():
+    """Server._wait watches the connection while the engine works; once the answer is there, the very next read of
+    the connection (the keep-alive cycle's) must find the reader free, with no yield in between (Python 3.12's
+    wait_for has none)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        reader, conn = asyncio.StreamReader(), h11.Connection(h11.SERVER)
+        done = concurrent.futures.Future()
+        loop.call_later(0.02, done.set_result, "answer")
+        assert await wire.Server._wait(None, done, conn, reader) == "answer"
+        loop.call_later(0.02, reader.feed_data, b"next request")
+        return await reader.read(100)
+    assert asyncio.run(main()) == b"next request"
+
 
 def test_keep_alive_and_pipelining(wire_server):
     c = http.client.HTTPConnection("127.0.0.1", wire_server.port, timeout=10)

@@ -424,6 +424,11 @@ class Server:
         finally:
             if not watcher.done():
                 watcher.cancel()
+            # Off the reader before the connection reads its next request: a cancelled watcher still holds the
+            # reader's waiter until it runs again, and nothing need yield before that read (Python 3.12's
+            # wait_for does not), which then failed with "read() called while another coroutine is already
+            # waiting for incoming data" and dropped the keep-alive connection.
+            await asyncio.gather(watcher, return_exceptions=True)
         if not afut.done():
             fut.cancel()
             afut.cancel()
