@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+import types
 import urllib.request
 import zlib
 
@@ -2757,6 +2758,109 @@ def test_gpu_runtime_memory(g):
     live = g.allocated_bytes
     base.close()
     assert g.allocated_bytes == live - 4000
+
+
+class _RecordingDriver:
+    """cuda.bindings.driver's enums and types with fake calls that record what gpu.GPU asks of streams and events
+    (no device): for the branch bookkeeping, which must be right before it ever reaches a GPU."""
+
+    def __init__(self):
+        from cuda.bindings import driver as real
+        self.real, self.calls, self.n = real, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _ok(self, *v):
+        return (self.real.CUresult.CUDA_SUCCESS, *v)
+
+    def _new(self, kind):
+        self.n += 1
+        return f"{kind}{self.n}"
+
+    def cuInit(self, f): return self._ok()
+    def cuDeviceGet(self, d): return self._ok(d)
+    def cuDevicePrimaryCtxRetain(self, d): return self._ok("ctx")
+    def cuDevicePrimaryCtxRelease(self, d): return self._ok()
+    def cuCtxSetCurrent(self, c): return self._ok()
+    def cuDeviceGetName(self, n, d): return self._ok(b"recording\0")
+    def cuDeviceGetAttribute(self, a, d): return self._ok(9)
+    def cuStreamCreate(self, f): return self._ok(self._new("stream"))
+    def cuStreamDestroy(self, s): return self._ok()
+    def cuEventCreate(self, f): return self._ok(self._new("event"))
+    def cuEventDestroy(self, e): return self._ok()
+    def cuGraphInstantiate(self, graph, f): return self._ok("exec")
+    def cuGraphDestroy(self, graph): return self._ok()
+
+    def _rec(self, *c):
+        self.calls.append(c)
+        return self._ok()
+
+    def cuEventRecord(self, e, s): return self._rec("record", e, s)
+    def cuStreamWaitEvent(self, s, e, f): return self._rec("wait", s, e)
+    def cuStreamSynchronize(self, s): return self._rec("sync", s)
+    def cuStreamBeginCapture(self, s, mode): return self._rec("capture", s)
+    def cuStreamEndCapture(self, s): return self._rec("end", s) + ("graph",)
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, s, params, extra): return self._rec("launch", f, s)
+
+
+def test_gpu_branch_fork_and_join_calls(monkeypatch):
+    """gpu.GPU.branch / join on a recording driver: the branch's launches go to a second stream that waits for the
+    main stream's work so far; join makes the main stream wait for it; sync joins first; a capture with an unjoined
+    branch is refused; branches cannot nest; SPAN02_BRANCHES=0 leaves every launch on the main stream."""
+    rec = _RecordingDriver()
+    monkeypatch.setattr(gpu, "cu", rec)
+    monkeypatch.delenv("SPAN02_BRANCHES", raising=False)
+    g = gpu.GPU()
+    k = types.SimpleNamespace(handle="kernel", name="test.kernel", max_shared=1 << 16)
+
+    def launch():
+        g.launch(k, (1,), (32,), [])
+    main = g.stream
+    launch()
+    with g.branch():
+        launch()
+    launch()
+    g.join()
+    launch()
+    side = g.side_stream
+    fork_ev, join_ev = g._fork_ev, g._join_ev
+    assert side != main and fork_ev != join_ev
+    assert rec.calls == [("launch", "kernel", main), ("record", fork_ev, main), ("wait", side, fork_ev),
+                         ("launch", "kernel", side), ("launch", "kernel", main), ("record", join_ev, side),
+                         ("wait", main, join_ev), ("launch", "kernel", main)]
+    del rec.calls[:]
+    g.join()                                                   # nothing left to join
+    with g.branch():
+        launch()
+        with pytest.raises(RuntimeError, match="one branch at a time"):
+            with g.branch():
+                pass
+    with pytest.raises(RuntimeError, match="one branch at a time"):   # the first is not joined yet
+        with g.branch():
+            pass
+    g.sync()                                                   # joins, then waits for the main stream
+    assert rec.calls == [("record", fork_ev, main), ("wait", side, fork_ev), ("launch", "kernel", side),
+                         ("record", join_ev, side), ("wait", main, join_ev), ("sync", main)]
+    g.capture_begin()
+    with g.branch():
+        launch()
+    with pytest.raises(RuntimeError, match="not joined"):
+        g.capture_end()
+    assert g.stream == main and rec.calls[-1] == ("end", main)
+    with g.branch():                                           # usable again
+        launch()
+    g.join()
+    g.close()
+    rec2 = _RecordingDriver()
+    monkeypatch.setattr(gpu, "cu", rec2)
+    monkeypatch.setenv("SPAN02_BRANCHES", "0")
+    g2 = gpu.GPU()
+    with g2.branch():
+        g2.launch(k, (1,), (32,), [])
+    g2.join()
+    assert rec2.calls == [("launch", "kernel", g2.stream)] and g2.side_stream is None
+    g2.close()
 
 
 @needs_gpu
