@@ -30,12 +30,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-// Programmatic dependent launch entry (elementwise.cu explains it): launch the next kernel now, then wait for the
-// previous one; nothing is read or written before the wait. No-ops in a launch without the attribute.
-__device__ __forceinline__ void pdl_entry() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
+#include "pdl.cuh"          // pdl_entry: programmatic dependent launch
 
 #define KV_BLOCK 16      // positions per KV block
 #define CHUNK 64         // keys per attention partial

@@ -11,21 +11,7 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Programmatic dependent launch: pdl_entry() first in a kernel lets the next kernel launch now (the linear
-// kernels, launched with PDL, fetch their weights and then wait with griddepcontrol.wait before reading what we
-// write) and then waits until the previous kernel has finished and its writes are visible (a no-op in a launch
-// without the PDL attribute). The launchers of this file's kernels (and of attention.cu, router.cu, moe.cu, which
-// share the entry) do not set the attribute. linear.cu's launches do, and so do those of router_bf16 and
-// moe_down_combine_direct, which fetch weights before their own griddepcontrol.wait (layers/moe.py). Measured on the H200 (2026-11-30, one
-// process, graphs recaptured per setting, median of 3 rounds): batch-1 step 2.915 ms with PDL on the linear
-// launches only, 3.191 ms with it on every launch, 3.503 ms with none; batch 64: 17.73 / 19.23 / 18.50 ms.
-// With it on every launch, each kernel's trigger lets the next one launch and trigger in turn, so waiting grids
-// pile up on the SMs.
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void pdl_entry() {
-    pdl_trigger();
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
+#include "pdl.cuh"          // pdl_entry: programmatic dependent launch (which launches use it, and why)
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }

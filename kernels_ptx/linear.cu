@@ -49,6 +49,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "pdl.cuh"          // pdl_trigger / pdl_wait: programmatic dependent launch
+
 #define SLICES 8        // warps per CTA = fixed K-slices (part of the determinism contract: never change per T)
 #define ROWS 16         // N rows per CTA (one m16 tile)
 
@@ -91,8 +93,6 @@ __device__ __forceinline__ void e4m3x4_to_bf16x4(uint32_t w, uint32_t &lo, uint3
 
 __device__ __forceinline__ uint4 ldg16(const void *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // elementwise.cu gelu_mul_bf16 for one element, from the two bf16-rounded fp32 inputs: the same source
 // expression (so the same PTX: mul/fma/ex2.approx/rcp.approx sequence of tanhf, no mul+add pair that ptxas

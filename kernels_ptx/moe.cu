@@ -17,14 +17,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
-// Programmatic dependent launch entry (elementwise.cu explains it): launch the next kernel now, then wait for the
-// previous one; nothing is read or written before the wait. No-ops in a launch without the attribute.
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_entry() {
-    pdl_trigger();
-    pdl_wait();
-}
+#include "pdl.cuh"          // pdl_entry / pdl_trigger / pdl_wait: programmatic dependent launch
 
 typedef __nv_bfloat16 bf16;
 
