@@ -309,27 +309,27 @@ class GPU:
         has been given so far and runs beside what the main stream gets next, until `join()` makes the main
         stream wait for it. Captured into a graph, this is a fork and a join of the graph. The branch's work
         must not touch what the main stream's work between the fork and the join writes (the caller's
-        contract). With SPAN02_BRANCHES=0 (`self.branches` False) the launches simply stay on the main stream.
+        contract). A branch still open when the next one starts is joined first. With SPAN02_BRANCHES=0
+        (`self.branches` False) the launches simply stay on the main stream.
         A PDL launch right after the fork or the join gets a programmatic edge from the kernel(s) it depends on,
         in the other stream too: it waits (griddepcontrol.wait) for them like for its own stream's kernel."""
         if not self.branches:
             yield
             return
-        if self.stream is not self.main_stream or not self._joined:
-            raise RuntimeError("branch(): one branch at a time, joined before the next")
+        if self.stream is not self.main_stream:
+            raise RuntimeError("branch() inside a branch: one branch at a time")
+        self.join()                        # one left open (an error between a branch and its join) waits first
         if self.side_stream is None:
             self.side_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
             flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._fork_ev, self._join_ev = (check(cu.cuEventCreate(flags), "cuEventCreate") for _ in range(2))
         check(cu.cuEventRecord(self._fork_ev, self.main_stream), "cuEventRecord (fork)")
         check(cu.cuStreamWaitEvent(self.side_stream, self._fork_ev, 0), "cuStreamWaitEvent (fork)")
-        self._joined = False
         self.stream = self.side_stream
         try:
             yield
         finally:
-            self.stream = self.main_stream
-            self._joined = False           # (a sync inside the branch joined what came before it, not after)
+            self.stream, self._joined = self.main_stream, False   # (a sync inside joined only what came before it)
 
     def join(self):
         """The main stream waits for the work of the last branch (a no-op when there is none to wait for)."""

@@ -2806,8 +2806,9 @@ class _RecordingDriver:
 
 def test_gpu_branch_fork_and_join_calls(monkeypatch):
     """gpu.GPU.branch / join on a recording driver: the branch's launches go to a second stream that waits for the
-    main stream's work so far; join makes the main stream wait for it; sync joins first; a capture with an unjoined
-    branch is refused; branches cannot nest; SPAN02_BRANCHES=0 leaves every launch on the main stream."""
+    main stream's work so far; join makes the main stream wait for it; sync, and the next branch (after an error
+    inside one, say), join an open branch first; a capture with an unjoined branch is refused; branches cannot
+    nest; SPAN02_BRANCHES=0 leaves every launch on the main stream."""
     rec = _RecordingDriver()
     monkeypatch.setattr(gpu, "cu", rec)
     monkeypatch.delenv("SPAN02_BRANCHES", raising=False)
@@ -2836,12 +2837,18 @@ def test_gpu_branch_fork_and_join_calls(monkeypatch):
         with pytest.raises(RuntimeError, match="one branch at a time"):
             with g.branch():
                 pass
-    with pytest.raises(RuntimeError, match="one branch at a time"):   # the first is not joined yet
-        with g.branch():
-            pass
     g.sync()                                                   # joins, then waits for the main stream
     assert rec.calls == [("record", fork_ev, main), ("wait", side, fork_ev), ("launch", "kernel", side),
                          ("record", join_ev, side), ("wait", main, join_ev), ("sync", main)]
+    del rec.calls[:]
+    with g.branch():
+        launch()
+    with g.branch():                                           # the first, left open, is joined before the fork
+        pass
+    g.join()
+    assert [c[0] for c in rec.calls] == ["record", "wait", "launch", "record", "wait", "record", "wait",
+                                         "record", "wait"]
+    assert rec.calls[3:5] == [("record", join_ev, side), ("wait", main, join_ev)]
     g.capture_begin()
     with g.branch():
         launch()
@@ -2851,6 +2858,17 @@ def test_gpu_branch_fork_and_join_calls(monkeypatch):
     with g.branch():                                           # usable again
         launch()
     g.join()
+    del rec.calls[:]
+    with pytest.raises(ValueError, match="launcher"):         # an error inside: back on the main stream, and
+        with g.branch():                                       # the next branch (or sync) joins this one first
+            launch()
+            raise ValueError("launcher")
+    assert g.stream == main
+    with g.branch():
+        launch()
+    g.join()
+    assert [c[0] for c in rec.calls] == ["record", "wait", "launch", "record", "wait", "record", "wait", "launch",
+                                         "record", "wait"]
     g.close()
     rec2 = _RecordingDriver()
     monkeypatch.setattr(gpu, "cu", rec2)

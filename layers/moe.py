@@ -152,11 +152,8 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     # (2026-11-30, us per call at T = 1 / 16 / 64 / 128 / 512 / 2048): router_bf16 with one-warp CTAs 8.2 at T=1,
     # with 4-warp CTAs 10.6 at 16 (t8x8 13.4); t8x8 14.0 at 64 (router_bf16 17.1) and 17.2 at 128; t16x32 25.1 at
     # 512 (router_bf16 66.4); t16x16 76.8 at 2048 (t16x32 82.9).
-    # PDL (the expert rows are fetched before the wait) on router_bf16 only: measured on the H200 (2026-11-30, one
-    # process, graphs recaptured, median of 3 rounds) with router_bf16 and moe_down_combine_direct PDL-launched,
-    # the batch-1 step went 2.907 -> 2.846 ms and batch 16 8.948 -> 8.632, but with the batch kernels too batch 64
-    # went 17.497 -> 18.227 ms: their early CTAs (40 KB of shared memory each) hold SMs that the dense MLP
-    # running beside them on its branch needs.
+    # PDL on router_bf16 (it fetches its expert rows before the wait), not on the batch kernels: their early CTAs
+    # (40 KB of shared memory each) hold SMs the dense MLP's branch needs (batch 64 +0.73 ms; kernels_ptx/pdl.cuh).
     if T <= 16:
         ew = 1 if T <= 4 else 4                  # experts (warps) per CTA
         g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4),
