@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from model import ImageRows, SeqStep
+from model import ImageRows, SeqOut, SeqStep
 from policy import THOUGHT_MODES, QuestionPolicy, Request, check_cost_table, thought_limit
 from prompt import PromptError
 from scheduler import BLOCK, Scheduler, Seq, TooLarge
@@ -209,7 +209,9 @@ class Engine:
                        for (st, n), e in zip(stem.image_spans, embeds)]
                 pol = QuestionPolicy(q, req, stem.keys, limit, pr.channel_close, pr.eos_ids, pr.decode)
                 job.pols.append(pol)
-                job.seqs.append(Seq(stem.tokens, L + limit + 1, ims, tag=(job, pol, embeds)))
+                seq, first = Seq(stem.tokens, L + limit + 1, ims, tag=(job, pol, embeds)), pol.first()
+                self.sched.extend(seq, first.feed, first.probe, pol.keys if first.readout else (), first.argmax)
+                job.seqs.append(seq)
             job.left = len(job.seqs)
             self.sched.add(job.seqs, req.deadline, req.arrival, tag=job)
         except EngineError as e:
@@ -257,12 +259,7 @@ class Engine:
         if not works:
             return
         try:
-            steps = [SeqStep(w.tokens, w.start, w.blocks, readout=w.readout, argmax=w.argmax,
-                             images=tuple(ImageRows(w.seq.images[i][0], w.seq.tag[2][i]) for i in w.images))
-                     for w in works]
-            outs = self.model.step(steps)
-            if len(outs) != len(works):
-                raise RuntimeError(f"model.step returned {len(outs)} outputs for {len(works)} rows")
+            outs = self._model_step(works)
         except Exception:
             bad = {id(w.seq.tag[0]): w.seq.tag[0] for w in works}
             log.exception("model step failed; requests %s", [j.req.id for j in bad.values()])
@@ -291,6 +288,32 @@ class Engine:
             except Exception:
                 log.exception("request %s: policy failed", job.req.id)
                 self._fail(job, _internal(job))
+
+    def _model_step(self, works):
+        """One model step for the works, one SeqOut each. A work that wants the greedy token of its last kept row
+        and key logits after probe rows (the stem's last chunk, then `<channel|>`) goes in as two SeqSteps of
+        the same sequence, the probe second: it reads the KV the first writes in the same step (model.SeqStep)."""
+        steps, split = [], []
+        for w in works:
+            ims = tuple(ImageRows(w.seq.images[i][0], w.seq.tag[2][i]) for i in w.images)
+            two = w.argmax and w.readout and w.keep < len(w.tokens)
+            if two:
+                steps.append(SeqStep(w.tokens[:w.keep], w.start, w.blocks, argmax=True, images=ims))
+                steps.append(SeqStep(w.tokens[w.keep:], w.start + w.keep, w.blocks, readout=w.readout))
+            else:
+                steps.append(SeqStep(w.tokens, w.start, w.blocks, readout=w.readout, argmax=w.argmax, images=ims))
+            split.append(two)
+        outs = self.model.step(steps)
+        if len(outs) != len(steps):
+            raise RuntimeError(f"model.step returned {len(outs)} outputs for {len(steps)} sequences")
+        it, merged = iter(outs), []
+        for two in split:
+            o = next(it)
+            if two:
+                r = next(it)
+                o = SeqOut(argmax=o.argmax, key_logits=r.key_logits, logsumexp=r.logsumexp)
+            merged.append(o)
+        return merged
 
     def _resolve(self, job, now):
         answers = [p.answer() for p in job.pols]

@@ -36,6 +36,9 @@ class ImageRows:
 
 @dataclass(frozen=True)
 class SeqStep:
+    """One sequence's rows in a step. SeqSteps of one step may share blocks: each sees the KV the others write at
+    its earlier positions in the same step, in any order (both backends write every row's K/V before any row
+    attends), so the engine runs a stem's last chunk and the readout probe after it in one step."""
     tokens: tuple[int, ...]        # new token ids, at positions start .. start+len-1
     start: int                     # the cache already holds positions 0 .. start-1 of this sequence
     blocks: tuple[int, ...]        # KV block table covering positions 0 .. start+len-1
@@ -165,10 +168,12 @@ class Model(StepTools):
         q = attention.rope_apply(q, pos, self.inv_freq[i])
         k = attention.rope_apply(k, pos, self.inv_freq[i])
         out = np.empty((x.shape[0], q.shape[1] * q.shape[2]), np.float64)
-        for s, o in zip(seqs, offsets):
-            n, stop = len(s.tokens), s.start + len(s.tokens)
+        for s, o in zip(seqs, offsets):            # every row's K/V first, as on the GPU (SeqStep)
+            n = len(s.tokens)
             attention.scatter(self.k_pool[i], s.blocks, pos[o:o + n], k[o:o + n])
             attention.scatter(self.v_pool[i], s.blocks, pos[o:o + n], v[o:o + n])
+        for s, o in zip(seqs, offsets):
+            n, stop = len(s.tokens), s.start + len(s.tokens)
             first = max(0, s.start - self.cfg.text.window + 1) if g.sliding else 0
             keys = attention.gather(self.k_pool[i], s.blocks, first, stop)
             vals = attention.gather(self.v_pool[i], s.blocks, first, stop)

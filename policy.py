@@ -119,7 +119,8 @@ def thought_limit(p: PolicyConfig, cost: dict | None, batch: int, context: int) 
 @dataclass(frozen=True)
 class Next:
     """The sequence work a question wants next: keep `feed` in the sequence, then run `probe` rows that
-    are not kept; the last row returns the key logits (`readout`) or the greedy token (`argmax`)."""
+    are not kept; the last row returns the key logits (`readout`), the last kept row the greedy token
+    (`argmax`)."""
     feed: tuple[int, ...] = ()
     probe: tuple[int, ...] = ()
     readout: bool = False
@@ -127,8 +128,9 @@ class Next:
 
 
 class QuestionPolicy:
-    """Stages: prefill -> readout1 -> thought -> readout2 -> done. `advance(out, now)` takes the SeqOut of
-    the stage's last row and returns the Next work, or None when the answer is ready (`answer()`)."""
+    """Stages: prefill (with the first readout) -> thought -> readout2 -> done. `first()` is the work that goes
+    with the stem; `advance(out, now)` takes the SeqOut of the stage's work and returns the Next work, or None
+    when the answer is ready (`answer()`)."""
 
     def __init__(self, q: Question, req: Request, keys, limit: int, close: int, eos=(), decode=None):
         self.q, self.req, self.keys, self.limit = q, req, tuple(keys), limit
@@ -142,12 +144,14 @@ class QuestionPolicy:
         if self.t0 is None:
             self.t0 = self.t_stage = now
 
+    def first(self) -> Next:
+        """The stem's own work: its last row's greedy token (the thought's first, should it think) and, on the
+        probe row `<channel|>` after it, the first readout: stages 1 and 2 of policy.md in the stem's last step."""
+        return Next(probe=(self.close,), readout=True, argmax=True)
+
     def advance(self, out, now) -> Next | None:
         if self.stage == "prefill":
             self.t1 = out.argmax           # the thought's first token, should it think
-            self.stage = "readout1"
-            return Next(probe=(self.close,), readout=True)
-        if self.stage == "readout1":
             return self._gate(out, now)
         if self.stage == "thought":
             return self._token(out.argmax, now)

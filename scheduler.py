@@ -49,7 +49,7 @@ class Seq:
         self.blocks: list[int] = []
         self.cached = 0                     # stem tokens taken from the prefix cache
         self.reserve = 0                    # reserved blocks not yet allocated
-        self.probe, self.readout, self.argmax = (), (), True   # the stem's last row: first thought token
+        self.probe, self.readout, self.argmax = (), (), True   # what the stem's last chunk returns (extend)
         self.idle, self.running, self.finished = False, False, False
         self.owned = []                     # trie nodes this seq inserted (not ready until computed)
 
@@ -60,8 +60,8 @@ class Work:
     tokens: tuple[int, ...]
     start: int
     blocks: tuple[int, ...]
-    readout: tuple[int, ...]
-    argmax: bool
+    readout: tuple[int, ...]                # key logits at the last row
+    argmax: bool                            # the greedy token of the last kept row (row keep - 1)
     images: tuple[int, ...]                 # indexes into seq.images that lie inside this chunk
     keep: int                               # leading tokens that stay in the sequence
     final: bool                             # the last row answers the seq's request (readout / argmax)
@@ -287,7 +287,8 @@ class Scheduler:
                 s.idle = True
 
     def extend(self, s, feed=(), probe=(), readout=(), argmax=False):
-        """The seq's next work: keep `feed`, then probe rows; readout keys / argmax at the last row."""
+        """The seq's next work: keep `feed`, then probe rows; readout keys at the last row, argmax at the last
+        kept one. Before admission: what the stem's last chunk returns (and which probe rows follow it)."""
         s.tokens += feed
         s.probe, s.readout, s.argmax, s.idle = tuple(probe), tuple(readout), argmax, False
 

@@ -1662,6 +1662,44 @@ def test_same_answers_alone_batched_serial_and_uncached(demo_prompter):
                 assert np.allclose(x[3], y[3], atol=1e-6, rtol=0), kw
 
 
+def test_probe_in_the_stems_step_reads_its_kv():
+    """A stem's last chunk and the readout probe after it, as two SeqSteps of one step sharing blocks (the engine
+    runs the first readout so): the same results as the chunk in one step and the probe in the next, whatever
+    the order of the sequences in the step (to the last float32 bit: the CPU backend's batching contract,
+    README; the GPU test compares bytes)."""
+    V, rng = ENGINE_TEXT["vocab_size"], np.random.default_rng(31)
+    stem = tuple(int(t) for t in rng.integers(3, V, 37))
+    keys, blocks = (5, 9, 11), (3, 1, 4)                       # 3 blocks: positions 0..47, the probe at 37
+    other = SeqStep(tuple(int(t) for t in rng.integers(3, V, 20)), 0, (7, 8), argmax=True)
+    m = random_model()
+    m.step([SeqStep(stem[:16], 0, blocks)])                    # the first chunk
+    chunk = SeqStep(stem[16:], 16, blocks, argmax=True)
+    probe = SeqStep((2,), 37, blocks, readout=keys)
+    a, = m.step([chunk])
+    b, = m.step([probe])
+    for order in ([chunk, probe, other], [other, chunk, probe], [probe, other, chunk]):
+        m2 = random_model()
+        m2.step([SeqStep(stem[:16], 0, blocks)])
+        outs = dict(zip(map(id, order), m2.step(order)))
+        assert outs[id(chunk)].argmax == a.argmax
+        got, want = (np.float32(o.key_logits + (o.logsumexp,)).tobytes() for o in (outs[id(probe)], b))
+        assert got == want
+
+
+def test_first_readout_rides_on_the_stems_last_step(demo_prompter):
+    """Policy stages 1-2 (the stem's greedy token and the readout on stem + <channel|>) take one model step: a
+    question that never thinks is answered in one step whose last two SeqSteps are its stem chunk and the probe."""
+    m = ModelProxy(random_model())
+    out, = serve_all(demo_prompter, [make_request(6, n_q=1, thought="never")], model=m, prefill_chunk=512)
+    a = out["answers"][0]
+    assert [t["stage"] for t in a["trace"]] == ["readout", "gate"] and a["stop"] == "never"
+    assert len(m.calls) == 1
+    chunk, probe = m.calls[0]
+    assert chunk.argmax and not chunk.readout and probe.readout and not probe.argmax
+    assert probe.tokens == (demo_prompter.channel_close,) and probe.start == chunk.start + len(chunk.tokens)
+    assert probe.blocks == chunk.blocks and m.rows == out["usage"]["prompt_tokens"] + 1
+
+
 def test_shared_context_computed_once(demo_prompter):
     for cache in (True, False):
         m = ModelProxy(random_model())
@@ -4482,6 +4520,28 @@ def test_gpu_branches_change_no_bits(graph_pair):
     with pytest.raises(RuntimeError, match="not joined"):
         g.capture_end()
     assert np.array_equal(run()[0], plain[0])          # the GPU object still works
+
+
+@needs_gpu
+def test_gpu_probe_in_the_stems_step_reads_its_kv(graph_pair):
+    """The engine's first readout on the GPU: a stem's last chunk and the probe after it, two sequences of one step
+    sharing blocks, in either order, give the bytes of the chunk in one step and the probe in the next: eager
+    (a 21-row chunk) and, on the graph model, as a 2-row decode step (a 1-row chunk)."""
+    for dev in graph_pair:
+        V, rng = dev.cfg.text.vocab, np.random.default_rng(41)
+        stem = tuple(int(t) for t in rng.integers(3, V, 37))
+        keys, blocks = (5, 9, 11), (3, 1, 4)
+        for cut in (16, 36):
+            dev.step([SeqStep(stem[:cut], 0, blocks)])
+            chunk = SeqStep(stem[cut:], cut, blocks, argmax=True)
+            probe = SeqStep((2,), 37, blocks, readout=keys)
+            a, = dev.step([chunk])
+            b, = dev.step([probe])
+            for order in ([chunk, probe], [probe, chunk]):
+                o = dict(zip(map(id, order), dev.step(order)))
+                assert o[id(chunk)].argmax == a.argmax
+                assert o[id(probe)].key_logits == b.key_logits and o[id(probe)].logsumexp == b.logsumexp
+                assert np.isfinite(b.logsumexp)
 
 
 @needs_gpu
