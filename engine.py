@@ -79,7 +79,7 @@ class Engine:
             check_cost_table(cfg.think_cost)
         self.sched = Scheduler(model.num_blocks, cfg.max_batch, cfg.prefill_chunk,
                                prefix_cache=cfg.prefix_cache, serial=cfg.serial,
-                               max_rows=getattr(model, "max_rows", None))
+                               max_rows=getattr(model, "max_rows", None), max_seqs=getattr(model, "max_seqs", None))
         self.inbox: queue.Queue = queue.Queue()
         self.jobs: list[_Job] = []
         self.lock = threading.Lock()
@@ -293,23 +293,21 @@ class Engine:
         """One model step for the works, one SeqOut each. A work that wants the greedy token of its last kept row
         and key logits after probe rows (the stem's last chunk, then `<channel|>`) goes in as two SeqSteps of
         the same sequence, the probe second: it reads the KV the first writes in the same step (model.SeqStep)."""
-        steps, split = [], []
+        steps = []
         for w in works:
             ims = tuple(ImageRows(w.seq.images[i][0], w.seq.tag[2][i]) for i in w.images)
-            two = w.argmax and w.readout and w.keep < len(w.tokens)
-            if two:
+            if w.split:
                 steps.append(SeqStep(w.tokens[:w.keep], w.start, w.blocks, argmax=True, images=ims))
                 steps.append(SeqStep(w.tokens[w.keep:], w.start + w.keep, w.blocks, readout=w.readout))
             else:
                 steps.append(SeqStep(w.tokens, w.start, w.blocks, readout=w.readout, argmax=w.argmax, images=ims))
-            split.append(two)
         outs = self.model.step(steps)
         if len(outs) != len(steps):
             raise RuntimeError(f"model.step returned {len(outs)} outputs for {len(steps)} sequences")
         it, merged = iter(outs), []
-        for two in split:
+        for w in works:
             o = next(it)
-            if two:
+            if w.split:
                 r = next(it)
                 o = SeqOut(argmax=o.argmax, key_logits=r.key_logits, logsumexp=r.logsumexp)
             merged.append(o)

@@ -66,6 +66,16 @@ class Work:
     keep: int                               # leading tokens that stay in the sequence
     final: bool                             # the last row answers the seq's request (readout / argmax)
 
+    @property
+    def split(self) -> bool:
+        """The greedy token of the last kept row and key logits after probe rows (the stem's last chunk, then
+        `<channel|>`): two sequences of the model step (engine._model_step), counted so against max_seqs."""
+        return _split(self.argmax, self.readout, self.keep, len(self.tokens))
+
+
+def _split(argmax, readout, keep, rows):
+    return bool(argmax and readout and keep < rows)
+
 
 # --- blocks and the radix prefix cache ------------------------------------------------------------
 
@@ -131,11 +141,12 @@ class BlockPool:
 
 class Scheduler:
     def __init__(self, num_blocks, max_batch=64, prefill_chunk=512, step_tokens=None, prefix_cache=True,
-                 serial=False, max_rows=None):
+                 serial=False, max_rows=None, max_seqs=None):
         self.pool = BlockPool(num_blocks, prefix_cache)
         self.max_batch, self.chunk, self.serial = max_batch, prefill_chunk, serial
         self.step_tokens = step_tokens or 4 * prefill_chunk   # prefill tokens per step (decode rows aside)
         self.max_rows = max_rows            # the model's rows per step (every row: decode, chunks, probes); None: any
+        self.max_seqs = max_seqs            # the model's sequences per step (a split work is two); None: any
         self.waiting: list[list] = []       # groups: [order key, seqs not yet admitted, tag]
         self.running: list[Seq] = []        # admission order
         self.active = {}                    # group tag -> seqs not finished (serial: one group at a time)
@@ -243,7 +254,7 @@ class Scheduler:
     # -- steps
     def schedule(self) -> list[Work]:
         self._admit()
-        works, budget, rows = [], self.step_tokens, 0
+        works, budget, rows, nseq = [], self.step_tokens, 0, 0
         for prefill in (False, True):               # decode and readout rows first: they are cheap
             for s in self.running:
                 if s.idle or (s.done < s.prompt_len) != prefill:
@@ -254,9 +265,11 @@ class Scheduler:
                     continue                         # whole chunks only: boundaries never depend on load
                 final = b == len(s.tokens)
                 toks = tuple(s.tokens[a:b]) + (s.probe if final else ())
-                if self.max_rows is not None and rows + len(toks) > self.max_rows and works:
+                n = 1 + _split(s.argmax and final, s.readout if final else (), b - a, len(toks))
+                if works and ((self.max_rows is not None and rows + len(toks) > self.max_rows) or
+                              (self.max_seqs is not None and nseq + n > self.max_seqs)):
                     continue                         # the model's workspace: this seq goes in a later step
-                rows += len(toks)
+                rows, nseq = rows + len(toks), nseq + n
                 while len(s.blocks) * BLOCK < a + len(toks):
                     self._alloc(s)
                 ims = tuple(i for i, (st, n, _) in enumerate(s.images) if a <= st and st + n <= b)

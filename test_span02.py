@@ -1564,6 +1564,29 @@ def test_step_rows_stay_within_max_rows():
     assert all(v < 0 for v in left.values()) and most > 30     # done, and steps were filled near the cap
 
 
+def test_step_sequences_stay_within_max_seqs():
+    """A stem's last chunk with its readout probe is two model sequences (Work.split): a step never holds more
+    than the model's sequences per step, counted so, and every seq still finishes."""
+    sched = Scheduler(num_blocks=200, max_batch=8, prefill_chunk=64, max_seqs=5)
+    seqs = [Seq(list(range(10 + i, 30 + i)), 20 + 2) for i in range(6)]
+    for i, q in enumerate(seqs):
+        sched.extend(q, probe=(7,), readout=(1, 2), argmax=True)     # the engine's first(): argmax + probe
+        sched.add([q], tag=i)
+    firsts, left = [], {id(q): 1 for q in seqs}
+    while (works := sched.schedule()):
+        assert sum(1 + w.split for w in works) <= 5
+        firsts.append([w.split for w in works])
+        sched.complete(works)
+        for w in works:
+            left[id(w.seq)] -= 1
+            if left[id(w.seq)] < 0:
+                sched.finish(w.seq)
+            else:
+                sched.extend(w.seq, feed=(5,), argmax=True)
+    assert firsts[0] == [True, True] and all(v < 0 for v in left.values())
+    assert sum(x for f in firsts for x in f) == 6                    # every stem went in split, once
+
+
 def test_chunks_never_split_images():
     spans, sched = [], Scheduler(num_blocks=64, max_batch=2, prefill_chunk=16)
     sched.add([Seq(list(range(60)), 61, images=((5, 20, b"x"), (30, 4, b"y")))], tag=0)
