@@ -5701,24 +5701,28 @@ def test_gpu_linear_decode_variants(lin_g):
 # === GPU dense layers: the large prefill tiles (`_g64` / `_g128`, slice-major) against `_p` and decode ===
 # ====================================================================================================
 
-def _with_g128(g128_min, fn):
-    """fn() with layers.linear.G128_MIN_T set (restored after)."""
-    saved, lin_mod.G128_MIN_T = lin_mod.G128_MIN_T, g128_min
+def _with_tile(tile, fn):
+    """fn() with the prefill tile `tile` ('p', 'g128' or 'w': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS set so
+    that it runs every launch it can take from T = 65; restored after)."""
+    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS
+    lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = {'p': (None, None, 1), 'g128': (65, None, 1),
+                                                               'w': (65, 65, 1)}[tile]
     try:
         return fn()
     finally:
-        lin_mod.G128_MIN_T = saved
+        lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = saved
 
 
-_TILES = (None, 65)                                  # G128_MIN_T: `_p` only; `_g128` for plain / multi at T >= 65
+# `w` (wgmma) takes FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
+_TILES = ('p', 'g128', 'w')
 
 
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
-    """Both prefill tiles give the decode family's bytes, row by row: plain (bf16 out; f32 out for bf16 weights),
-    fused multi (and gate_up_gelu, `_p` only), at T = 1100 and 130, for K with 44 / 11 / 4 (partial) / 1 units
-    (K < 512 leaves slices empty) and N off the 128-row tile."""
+    """Every prefill tile (`_p`, `_g128`, the wgmma `_w`) gives the decode family's bytes, row by row: plain (bf16
+    out; f32 out for bf16 weights), fused multi and gate_up_gelu (`_p` and `_w`), at T = 1100 and 130, for K with
+    44 / 11 / 4 (partial) / 1 units (K < 512 leaves slices empty) and N off the 128-row tile."""
     g, rng = lin_g, np.random.default_rng(31)
     for (n, k), n2 in (((2112, 2816), 1024), ((1000, 704), 17), ((300, 208), 130), ((17, 48), 5)):
         (ra, _), (rb, _), (rc, _) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n2, k), _lin_raw(rng, fmt, n, k)
@@ -5727,10 +5731,10 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
             x = (rng.standard_normal((t, k), np.float32) * 2).astype(BF16)
             xd = g.upload(x)
             outs = {}
-            for g128 in _TILES:
+            for tile in _TILES:
                 run = lambda: (_lin_run(g, x, a), _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c),
                                _lin_run(g, x, a, np.float32) if fmt == 'bf16' else None)
-                outs[g128] = _with_g128(g128, run)
+                outs[tile] = _with_tile(tile, run)
             rows = np.sort(rng.choice(t, 64, replace=False))
             xs = g.upload(x[rows])
             dec = (_lin_run(g, x[rows], a), _multi(g, xs, [a, b]), _gelu_fused(g, xs, a, c),
@@ -5738,7 +5742,7 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
             alone = _lin_run(g, x[rows[:1]], a)                                        # T = 1
             g.free(xs), g.free(xd)
             for key, (y, m, gl, y32) in outs.items():
-                name = f'{fmt} N={n} K={k} T={t} G128_MIN_T={key}'
+                name = f'{fmt} N={n} K={k} T={t} tile {key}'
                 _same(f'{name} plain', y[rows], dec[0])
                 _same(f'{name} plain alone', y[rows[:1]], alone)
                 _same(f'{name} multi 0', m[0][rows], dec[1][0])
@@ -5753,13 +5757,13 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
 @needs_gpu
 def test_gpu_linear_prefill_timing(lin_g):
     """Graph-replayed us and TFLOP/s of the real prefill launches (fused q+k+v of a sliding layer, o_proj,
-    gate_up_gelu, down) at T = 512 and 2048 on each prefill tile (gelu: `_p` both times); printed for
+    gate_up_gelu, down) at T = 128, 512 and 2048 on each prefill tile (gelu: `_p` on the `g128` tile); printed for
     BENCHMARKS.md, not asserted."""
     g, rng = lin_g, np.random.default_rng(32)
     H, I = 2816, 2112
     mk = lambda n, k: upload_linear(g, _lin_raw(rng, 'fp8_channel', n, k)[0])
     q, kk, v, o, gt, up, dn = mk(4096, H), mk(2048, H), mk(2048, H), mk(H, 4096), mk(I, H), mk(I, H), mk(H, I)
-    for t in (512, 2048):
+    for t in (128, 512, 2048):
         xh = g.upload((rng.standard_normal((t, H), np.float32)).astype(BF16))
         xq = g.upload((rng.standard_normal((t, 4096), np.float32)).astype(BF16))
         xi = g.upload((rng.standard_normal((t, I), np.float32)).astype(BF16))
@@ -5771,9 +5775,9 @@ def test_gpu_linear_prefill_timing(lin_g):
                  ('down', H * I, lambda: linear_gpu(g, xi, dn, od))]
         for name, nk, call in cases:
             cells = []
-            for g128 in _TILES:
-                ms = _with_g128(g128, lambda: _graph_time(g, call, reps=10, replays=3))
-                cells.append(f'{"p" if g128 is None else "g128"} {ms * 1e3:8.1f} us {2 * t * nk / ms / 1e9:6.1f} TFLOP/s')
+            for tile in _TILES:
+                ms = _with_tile(tile, lambda: _graph_time(g, call, reps=10, replays=3))
+                cells.append(f'{tile} {ms * 1e3:8.1f} us {2 * t * nk / ms / 1e9:6.1f} TFLOP/s')
             print(f'prefill T={t} {name:13s}: ' + ' | '.join(cells))
         for a in (xh, xq, xi, oq, ok_, ov, oo, oa, od):
             g.free(a)

@@ -658,17 +658,6 @@ template <int FMT> struct GemmSmem {
     static constexpr int TOTAL = STAGES_BYTES + TOT_BYTES;                  // fp8 172032 B, bf16 212992 B
 };
 
-// The i-th unit in slice-major order (slice s = u % 8 holds units s, s+8, ..; slices 0..units%8-1 one more).
-__device__ __forceinline__ int slice_major_unit(int i, int units) {
-    const int a = units >> 3, rm = units & 7, big = rm * (a + 1);
-    if (i < big) {
-        const int s = i / (a + 1);
-        return s + 8 * (i - s * (a + 1));
-    }
-    const int i2 = i - big, s = rm + i2 / a;                 // a >= 1 here (i < units)
-    return s + 8 * (i2 - (s - rm) * a);
-}
-
 // tot[((mt * NW + n) * 4 + e) * 256 + thread] (shared) = the folded slice sums of the warp's 32 rows x 64
 // tokens of W (rows row0..) against X, D-fragment element e of m-tile mt, token tile n.
 template <int FMT>

@@ -112,3 +112,14 @@ __device__ __forceinline__ void store_out(const Proj &p0, const Proj &p1, float 
         reinterpret_cast<__nv_bfloat16 *>(p0.Y)[o] = __float2bfloat16_rn(v0);
     }
 }
+
+// The i-th unit in slice-major order (slice s = u % 8 holds units s, s+8, ..; slices 0..units%8-1 one more).
+__device__ __forceinline__ int slice_major_unit(int i, int units) {
+    const int a = units >> 3, rm = units & 7, big = rm * (a + 1);
+    if (i < big) {
+        const int s = i / (a + 1);
+        return s + 8 * (i - s * (a + 1));
+    }
+    const int i2 = i - big, s = rm + i2 / a;                 // a >= 1 here (i < units)
+    return s + 8 * (i2 - (s - rm) * a);
+}
