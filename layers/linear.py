@@ -27,10 +27,11 @@ G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # launch has at least W_MIN_CTAS CTAs; W_MIN_T None: off. H200, 2026-11-30 (test_gpu_linear_prefill_timing, us,
 # `_p` / `_g128` / `_w`): T = 2048 q+k+v 687 / 503 / 320, o_proj 346 / 269 / 160, down 186 / 151 / 100; T = 512
 # q+k+v 178 / 128 / 82, o_proj 97 / 93 / 53, down 53 / 53 / 35; T = 128 q+k+v (64 CTAs) 47 / 65 / 42, but o_proj
-# and down (22 CTAs) 34 / 92 / 54 and 19 / 52 / 34: hence the CTA floor.
+# and down (22 CTAs) 34 / 92 / 54 and 19 / 52 / 34: hence the CTA floor. gate_up_gelu (`_p` / `_w`, 64 rows per CTA):
+# T = 2048 356 / 181, T = 512 92 / 47, T = 128 (33 CTAs) 31 / 46.
 W_MIN_T, W_MIN_CTAS = 65, 64
 W_SMEM = 5 * (128 * 64 + 4 * (128 * 32 + 32)) + 64 * 4 * THREADS   # linear_sm90a.cu W_SMEM: 5 stages + slice totals
-W_GATE = 64 * 2 * THREADS                                           # + the gate values (gelu)
+W_GATE = 64 * 2 * 128                                              # + the gate values (gelu: 64 rows per CTA)
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -147,7 +148,7 @@ def _launch(g, kernel, x, projs, gelu=False):
     for w_ptr, s, s_arg, out, n in list(projs) + [(None, None, 0, None, 0)] * (4 - len(projs)):
         args += [w_ptr, s, s_arg, out, n]
     wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
-    w_tiles = -(-rows[0] // 128) if gelu else sum(-(-n // 128) for n in rows)
+    w_tiles = -(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)     # gelu: 64 rows (gate + up) per CTA
     if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles * -(-t // 128) >= W_MIN_CTAS
             and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
         f = g.module('linear_sm90a').function(f'{kernel}_w')
