@@ -5717,6 +5717,79 @@ def _with_tile(tile, fn):
 _TILES = ('p', 'g128', 'w')
 
 
+class _LaunchLog:
+    """A stand-in for gpu.GPU that records what layers.linear launches (module.kernel, grid, dynamic shared memory):
+    the prefill tile choice, checked without a device."""
+
+    def __init__(self, capability=(9, 0)):
+        self.capability, self.launches = capability, []
+
+    def module(self, name):
+        return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
+
+    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False):
+        self.launches.append((f, tuple(grid), shared))
+
+
+def _fake_linear(fmt, n, k):
+    w = types.SimpleNamespace(nbytes=n * k, ptr=256)
+    return lin_mod.GpuLinear(fmt, n, k, w, None if fmt == 'bf16' else types.SimpleNamespace(ptr=512))
+
+
+def test_linear_prefill_tile_choice():
+    """layers.linear's launcher (no device): the wgmma tile `_w` takes FP8 tensor / channel plain, multi and gelu
+    launches from W_MIN_T tokens when they have W_MIN_CTAS CTAs (128 rows, or 64 gate + up rows for gelu, x 128
+    tokens), on sm_90 only; the rest go to `_g128` / `_p` / the decode family as before. W_SMEM / W_GATE equal the
+    kernel file's defines (the kernel lays its dynamic shared memory out by them)."""
+    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels_ptx', 'linear_sm90a.cu')).read()
+    defs = {}
+    for name, expr in re.findall(r'^#define (W_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
+        if re.fullmatch(r'[\w\s()*+-]+', expr):                            # the sizes (not the parameter lists)
+            defs[name] = eval(expr, {}, dict(defs))
+    assert lin_mod.W_SMEM == defs['W_SMEM'] and lin_mod.W_GATE == defs['W_GATE'], defs
+    H, I = 2816, 2112
+    bf = lambda t, n: types.SimpleNamespace(shape=(t, n), dtype=BF16, ptr=1024)
+
+    def qkv(g, t, fmt='fp8_channel'):
+        ws = [_fake_linear(fmt, n, H) for n in (4096, 2048, 2048)]
+        linear_multi_gpu(g, bf(t, H), ws, [bf(t, w.N) for w in ws])
+
+    def o_proj(g, t):
+        linear_gpu(g, bf(t, 4096), _fake_linear('fp8_channel', H, 4096), bf(t, H))
+
+    def gelu(g, t):
+        gate_up_gelu_gpu(g, bf(t, H), _fake_linear('fp8_channel', I, H), _fake_linear('fp8_channel', I, H), bf(t, I))
+
+    W, WG = lin_mod.W_SMEM, lin_mod.W_SMEM + lin_mod.W_GATE
+    cases = [(qkv, 512, {}, ('linear_sm90a.gemm_fp8_bf16_w', (64, 4, 1), W)),
+             (qkv, 128, {}, ('linear_sm90a.gemm_fp8_bf16_w', (64, 1, 1), W)),          # 64 CTAs: the floor
+             (o_proj, 512, {}, ('linear_sm90a.gemm_fp8_bf16_w', (22, 4, 1), W)),
+             (o_proj, 128, {}, ('linear.gemm_fp8_bf16_p', (44, 4, 1), lin_mod.P_SMEM['fp8'])),     # 22 CTAs
+             (gelu, 512, {}, ('linear_sm90a.gelu_fp8_bf16_w', (33, 4, 1), WG)),
+             (gelu, 128, {}, ('linear.gelu_fp8_bf16_p', (33, 4, 1), lin_mod.P_SMEM['fp8'])),       # 33 CTAs
+             (qkv, 512, {'capability': (8, 9)}, ('linear.gemm_fp8_bf16_g128', (64, 4, 1), None)),
+             (qkv, 512, {'W_MIN_T': None}, ('linear.gemm_fp8_bf16_g128', (64, 4, 1), None)),
+             (qkv, 2048, {'W_MIN_T': 4096}, ('linear.gemm_fp8_bf16_g128', (64, 16, 1), None))]
+    for call, t, change, (name, grid, shared) in cases:
+        g = _LaunchLog(change.get('capability', (9, 0)))
+        saved = lin_mod.W_MIN_T
+        lin_mod.W_MIN_T = change.get('W_MIN_T', saved)
+        try:
+            call(g, t)
+        finally:
+            lin_mod.W_MIN_T = saved
+        assert len(g.launches) == 1, (call.__name__, t, change, g.launches)
+        f, gr, sh = g.launches[0]
+        assert (f, gr) == (name, grid) and (shared is None or sh == shared), (call.__name__, t, change, g.launches)
+    for call, fmt in ((qkv, 'fp8_block'), (qkv, 'bf16')):                  # formats `_w` does not take
+        g = _LaunchLog()
+        call(g, 512, fmt)
+        assert g.launches[0][0] == ('linear.gemm_fp8blk_bf16_p' if fmt == 'fp8_block' else 'linear.gemm_bf16_bf16_g128')
+    g = _LaunchLog()
+    qkv(g, 64)                                                              # decode sizes: the decode family
+    assert not g.launches[0][0].endswith(('_w', '_p', '_g128')), g.launches
+
+
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
