@@ -308,30 +308,33 @@ def model_figures(ckpt_dir, profile=True, log=print):
 # --- per-kernel table (model_gpu.profile_decode, when the backend has it) ------------------------------------
 
 def kernel_table(rows):
-    """Aggregate profile_decode rows [{kernel, us, bytes}] by kernel name: [{kernel, count, us, share, gbs}],
-    largest total first; share = of the sum of all kernels; gbs = bytes / time where every launch declared its
-    bytes, else None."""
+    """Aggregate profile rows [{kernel, us, bytes, flops}] by kernel name: [{kernel, count, us, share, gbs, tflops,
+    bytes, flops}], largest total first; share = of the sum of all kernels; gbs = bytes / time (tflops = flops /
+    time) where every launch of the kernel declared its bytes (flops), else None."""
     total = sum(float(x["us"]) for x in rows) or 1.0
     agg = {}
     for x in rows:
-        a = agg.setdefault(x["kernel"], {"kernel": x["kernel"], "count": 0, "us": 0.0, "bytes": 0})
+        a = agg.setdefault(x["kernel"], {"kernel": x["kernel"], "count": 0, "us": 0.0, "bytes": 0, "flops": 0})
         a["count"] += 1
         a["us"] += float(x["us"])
-        a["bytes"] = None if a["bytes"] is None or x.get("bytes") is None else a["bytes"] + int(x["bytes"])
+        for key in ("bytes", "flops"):
+            a[key] = None if a[key] is None or x.get(key) is None else a[key] + int(x[key])
     out = []
     for a in sorted(agg.values(), key=lambda a: -a["us"]):
         gbs = a["bytes"] / a["us"] / 1e3 if a["bytes"] and a["us"] > 0 else None
+        tflops = a["flops"] / a["us"] / 1e6 if a["flops"] and a["us"] > 0 else None
         out.append({"kernel": a["kernel"], "count": a["count"], "us": round(a["us"], 2),
                     "share": round(a["us"] / total, 4), "gbs": None if gbs is None else round(gbs, 1),
-                    "bytes": a["bytes"]})
+                    "tflops": None if tflops is None else round(tflops, 1), "bytes": a["bytes"], "flops": a["flops"]})
     return out
 
 
 def format_kernel_table(table, title):
-    lines = [title, f"{'kernel':<36} {'count':>6} {'total us':>10} {'share':>7} {'GB/s':>8}"]
+    lines = [title, f"{'kernel':<36} {'count':>6} {'total us':>10} {'share':>7} {'GB/s':>8} {'TFLOP/s':>8}"]
     for a in table:
         gbs = "-" if a["gbs"] is None else f"{a['gbs']:.0f}"
-        lines.append(f"{a['kernel'][:36]:<36} {a['count']:>6} {a['us']:>10.1f} {100 * a['share']:>6.1f}% {gbs:>8}")
+        tf = "-" if a.get("tflops") is None else f"{a['tflops']:.1f}"
+        lines.append(f"{a['kernel'][:36]:<36} {a['count']:>6} {a['us']:>10.1f} {100 * a['share']:>6.1f}% {gbs:>8} {tf:>8}")
     lines.append(f"{'sum':<36} {sum(a['count'] for a in table):>6} {sum(a['us'] for a in table):>10.1f}")
     return "\n".join(lines)
 

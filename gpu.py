@@ -271,11 +271,12 @@ class GPU:
             self._modules[name] = Module(handle, name)
         return self._modules[name]
 
-    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False):
+    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False, flops=None):
         """Launch kernel `f` on the stream. args: DeviceArray/ptr/None -> pointer, int -> int32,
         i64 -> int64, float -> float32. shared: dynamic shared memory bytes (opted in above 48 KiB).
-        nbytes: the bytes the kernel must move (weights, KV), for profiles; `launch_hook(name, grid, block,
-        nbytes)`, when set, is called after each launch (model_gpu.profile_decode records an event there).
+        nbytes: the bytes the kernel must move (weights, KV), flops: its multiply-add work x 2 (matrix kernels), for
+        profiles; `launch_hook(name, grid, block, nbytes, flops)`, when set, is called after each launch
+        (model_gpu's profiles record an event there).
         pdl: programmatic dependent launch (sm_90): the kernel may start while the previous one finishes, so it
         MUST execute `griddepcontrol.wait` before it reads anything earlier kernels write and before its first
         global write (it may fetch weights before). With `self.pdl` False every launch is plain."""
@@ -300,7 +301,7 @@ class GPU:
         if self._capture_launches is not None:
             self._capture_launches += 1
         if self.launch_hook is not None:
-            self.launch_hook(f.name, grid, block, nbytes)
+            self.launch_hook(f.name, grid, block, nbytes, flops)
 
     # --- branches --------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -416,16 +416,16 @@ class GpuModel(StepTools):
         return self._profile(body, reps)
 
     def _profile(self, body, reps):
-        """[{"kernel", "us", "bytes"}] of the launches body() makes: captured into a graph with an event recorded
+        """[{"kernel", "us", "bytes", "flops"}] of the launches body() makes: captured into a graph with an event recorded
         after every launch, replayed `reps` times (the last one counts). Branches are off here (every launch on
         the one stream), so each interval is one kernel's."""
         g = self.g
-        marks = []                                   # (event, kernel, bytes) after each launch
+        marks = []                                   # (event, kernel, bytes, flops) after each launch
 
-        def hook(name, grid, block, nbytes):
+        def hook(name, grid, block, nbytes, flops):
             ev = g.event()
             g.record(ev, external=True)
-            marks.append((ev, name, nbytes))
+            marks.append((ev, name, nbytes, flops))
         start = g.event()
         branches, g.branches = g.branches, False
         g.capture_begin()
@@ -441,8 +441,8 @@ class GpuModel(StepTools):
                 graph.replay()
             g.sync()
             out, prev = [], start
-            for ev, name, nbytes in marks:
-                out.append({"kernel": name, "us": g.elapsed_ms(prev, ev) * 1e3, "bytes": nbytes})
+            for ev, name, nbytes, flops in marks:
+                out.append({"kernel": name, "us": g.elapsed_ms(prev, ev) * 1e3, "bytes": nbytes, "flops": flops})
                 prev = ev
         finally:
             graph.close()

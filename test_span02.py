@@ -5275,13 +5275,18 @@ def test_peer_full_size_geometry_on_meta(tmp_path):
 
 
 def test_kernel_table_and_hook():
-    rows = [{"kernel": "gemv", "us": 10.0, "bytes": 40_000_000}, {"kernel": "norm", "us": 2.0, "bytes": None},
-            {"kernel": "gemv", "us": 30.0, "bytes": 80_000_000}, {"kernel": "attn", "us": 8.0, "bytes": 8_000_000}]
+    rows = [{"kernel": "gemv", "us": 10.0, "bytes": 40_000_000, "flops": 2_000_000_000},
+            {"kernel": "norm", "us": 2.0, "bytes": None},
+            {"kernel": "gemv", "us": 30.0, "bytes": 80_000_000, "flops": 6_000_000_000},
+            {"kernel": "attn", "us": 8.0, "bytes": 8_000_000, "flops": None}]
     t = bench.kernel_table(rows)
     assert [a["kernel"] for a in t] == ["gemv", "attn", "norm"]
     assert t[0]["count"] == 2 and t[0]["us"] == 40.0 and t[0]["share"] == 0.8 and t[0]["gbs"] == 3000.0
+    assert t[0]["flops"] == 8_000_000_000 and t[0]["tflops"] == 200.0      # 8 GFLOP in 40 us
+    assert t[1]["tflops"] is None and t[2]["tflops"] is None
     assert t[2]["gbs"] is None and abs(sum(a["share"] for a in t) - 1) < 1e-3
-    assert "gemv" in bench.format_kernel_table(t, "title")
+    text = bench.format_kernel_table(t, "title")
+    assert "TFLOP/s" in text and "200.0" in text.splitlines()[2]
 
     class Prof:
         def profile_decode(self, b):
@@ -5718,8 +5723,8 @@ _TILES = ('p', 'g128', 'w')
 
 
 class _LaunchLog:
-    """A stand-in for gpu.GPU that records what layers.linear launches (module.kernel, grid, dynamic shared memory):
-    the prefill tile choice, checked without a device."""
+    """A stand-in for gpu.GPU that records what layers.linear launches (module.kernel, grid, dynamic shared memory,
+    declared FLOPs): the prefill tile choice, checked without a device."""
 
     def __init__(self, capability=(9, 0)):
         self.capability, self.launches = capability, []
@@ -5727,8 +5732,8 @@ class _LaunchLog:
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
 
-    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False):
-        self.launches.append((f, tuple(grid), shared))
+    def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False, flops=None):
+        self.launches.append((f, tuple(grid), shared, flops))
 
 
 def _fake_linear(fmt, n, k):
@@ -5779,7 +5784,8 @@ def test_linear_prefill_tile_choice():
         finally:
             lin_mod.W_MIN_T = saved
         assert len(g.launches) == 1, (call.__name__, t, change, g.launches)
-        f, gr, sh = g.launches[0]
+        f, gr, sh, fl = g.launches[0]
+        assert fl == 2 * t * {'qkv': 8192 * H, 'o_proj': H * 4096, 'gelu': 2 * I * H}[call.__name__], fl
         assert (f, gr) == (name, grid) and (shared is None or sh == shared), (call.__name__, t, change, g.launches)
     for call, fmt in ((qkv, 'fp8_block'), (qkv, 'bf16')):                  # formats `_w` does not take
         g = _LaunchLog()

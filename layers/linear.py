@@ -148,23 +148,24 @@ def _launch(g, kernel, x, projs, gelu=False):
     for w_ptr, s, s_arg, out, n in list(projs) + [(None, None, 0, None, 0)] * (4 - len(projs)):
         args += [w_ptr, s, s_arg, out, n]
     wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
+    flops = 2 * t * k * sum(rows)                            # gelu: gate and up rows both
     w_tiles = -(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)     # gelu: 64 rows (gate + up) per CTA
     if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles * -(-t // 128) >= W_MIN_CTAS
             and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
         f = g.module('linear_sm90a').function(f'{kernel}_w')
         g.launch(f, grid=(w_tiles, -(-t // 128), 1), block=(THREADS, 1, 1), args=args,
-                 shared=W_SMEM + (W_GATE if gelu else 0), nbytes=wbytes, pdl=True)
+                 shared=W_SMEM + (W_GATE if gelu else 0), nbytes=wbytes, flops=flops, pdl=True)
         return
     if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
         f = g.module('linear').function(f'{kernel}_g128')
         g.launch(f, grid=(sum(-(-n // G_ROWS) for n in rows), -(-t // 128), 1), block=(THREADS, 1, 1), args=args,
-                 shared=_gemm_smem(kernel), nbytes=wbytes, pdl=True)
+                 shared=_gemm_smem(kernel), nbytes=wbytes, flops=flops, pdl=True)
         return
     if PREFILL_MIN_T is not None and t >= PREFILL_MIN_T:
         f = g.module('linear').function(f'{kernel}_p')
         tiles = -(-rows[0] // P_ROWS) if gelu else sum(-(-n // P_ROWS) for n in rows)
         g.launch(f, grid=(tiles, -(-t // P_TOK), 1), block=(THREADS, 1, 1), args=args,
-                 shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, pdl=True)
+                 shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, flops=flops, pdl=True)
         return
     v = _variant_of(kernel, t)
     if v is not None:                                        # DECODE_VARIANT (same bits, other data movement)
@@ -172,7 +173,7 @@ def _launch(g, kernel, x, projs, gelu=False):
         f = g.module('linear').function(f'{kernel}_{suf}')
         tiles = -(-rows[0] // rt) if gelu else sum(-(-n // rt) for n in rows)
         grid = (-(-t // tok), tiles, 1) if tf else (tiles, -(-t // tok), 1)
-        g.launch(f, grid=grid, block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes, pdl=True)
+        g.launch(f, grid=grid, block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes, flops=flops, pdl=True)
         return
     nt = _nt_suffix(t)
     shared = min(t, 8) * (k + 8) * 2 if nt == 8 else 0      # _t8 stages X in smem
@@ -180,7 +181,7 @@ def _launch(g, kernel, x, projs, gelu=False):
         nt, shared = 16, 0
     f = g.module('linear').function(f'{kernel}_t{nt}')
     tiles = -(-rows[0] // ROWS) if gelu else sum(-(-n // ROWS) for n in rows)
-    g.launch(f, grid=(tiles, -(-t // nt), 1), block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes,
+    g.launch(f, grid=(tiles, -(-t // nt), 1), block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes, flops=flops,
              pdl=True)                                       # every linear.cu kernel waits (griddepcontrol)
 
 

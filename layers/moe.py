@@ -157,14 +157,14 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     if T <= 16:
         ew = 1 if T <= 4 else 4                  # experts (warps) per CTA
         g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4),
-                 block=(32 * ew,), args=args, nbytes=E * H * 2, pdl=True)
+                 block=(32 * ew,), args=args, nbytes=E * H * 2, pdl=True, flops=2 * T * E * H)
         return
     # (kernel, tokens, experts per CTA, threads, stages): router.cu's ROUTER_TILE table
     name, tt, ec, nth, st = (("router_bf16_t8x8", 8, 8, 128, 5) if T <= 128 else
                              ("router_bf16_t16x32", 16, 32, 256, 4) if T <= 1024 else
                              ("router_bf16_t16x16", 16, 16, 128, 4))
     g.launch(g.module("router").function(name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt), block=(nth,),
-             args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2)
+             args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2, flops=2 * T * E * H)
 
 
 def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6, path=None, nt=None):
@@ -265,11 +265,12 @@ def _experts_direct(g, x, weights, idx, ex, out, ws, T, k):
     s_gu, s_dn = _direct_split(H, I, k)
     return [("gate_up_direct", lambda: g.launch(
                 m.function("moe_gate_up_direct"), grid=(I // 16, P), block=(64 * s_gu,),
-                args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=sh_gu)),
+                args=[x, idx, ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], ws["u"], H, I, k, E], shared=sh_gu,
+                flops=4 * P * I * H)),
             ("down_combine_direct", lambda: g.launch(
                 m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k * s_dn,),
                 args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=sh_dn,
-                pdl=True))]                       # reads idx before its wait: gate_up_direct must stay without PDL
+                pdl=True, flops=2 * P * I * H))]                       # reads idx before its wait: gate_up_direct must stay without PDL
 
 
 _GSTAGES = 3        # cp.async stages of the grouped kernels (GSTAGES in moe.cu)
@@ -295,11 +296,11 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
             (f"gate_up_mma_n{nt}", lambda: g.launch(
                 m.function(f"moe_gate_up_mma_n{nt}"), grid=((I + 63) // 64, maxt), block=(128,),
                 args=[x, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"],
-                      ws["u"], H, I, k], shared=shared)),
+                      ws["u"], H, I, k], shared=shared, flops=4 * P * I * H)),
             (f"down_mma_n{nt}", lambda: g.launch(
                 m.function(f"moe_down_mma_n{nt}"), grid=((H + 127) // 128, maxt), block=(128,),
                 args=[ws["u"], ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"],
-                      H, I], shared=shared)),
+                      H, I], shared=shared, flops=2 * P * I * H)),
             ("combine", lambda: g.launch(
                 m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
                 args=[ws["o"], idx, out, T, H, k, E]))]
