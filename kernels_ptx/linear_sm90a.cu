@@ -1,5 +1,6 @@
 // The wgmma prefill tile `_w` (sm_90a: Hopper's warpgroup MMA) for FP8 tensor / channel weights: the per-output
-// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at several times their rate.
+// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 1.5-2x their rate
+// (BENCHMARKS.md, fifth session).
 // Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu (as `_p`); layers/linear.py picks it.
 //
 // Why the bits are the same (measured on the H200, 2026-11-30, before this kernel was written: 147,456 outputs of
@@ -23,12 +24,12 @@
 //
 // CTA: 2 warpgroups (256 threads) x 64 rows = 128 W rows, x 128 tokens (wgmma m64n128k16, A = W rows from
 // registers, B = X tokens from shared memory); grid (sum_p ceil(N_p/128), ceil(T/128)); gelu: the 64 gate rows and
-// the 64 up rows of 64 outputs, grid (ceil(N/64), ceil(T/128)). Stages (one 64-K unit
-// each, cp.async with zero fill, W_STAGES deep): W 128 rows x 64 B, X in the wgmma "no swizzle" K-major layout:
-// step j = 2 k halves x 128 tokens x 16 B, the token groups' core matrices side by side (stride byte offset 128,
-// leading byte offset 2 KB; on the H200 (2026-11-30) core matrices 256 B apart ran at g128's rate), steps 32 B
-// apart beyond that so that the 8-byte cp.async pieces land in 2 wavefronts. A unit's stage is refilled two units later: its wgmmas are known to
-// be done then (wgmma.wait_group 1 after each unit's commit, and the barrier of the next unit).
+// the 64 up rows of 64 outputs, grid (ceil(N/64), ceil(T/128)). Stages (one 64-K unit each, cp.async with zero
+// fill, W_STAGES deep): W 128 rows x 64 B, X in the wgmma "no swizzle" K-major layout: step j = 2 k halves x 128
+// tokens x 16 B, the token groups' core matrices side by side (stride byte offset 128, leading byte offset 2 KB;
+// on the H200, 2026-11-30, core matrices 256 B apart ran at `_g128`'s rate), the steps 32 B apart beyond that so
+// that the 8-byte cp.async pieces land in 2 wavefronts. A unit's stage is refilled two units later: its wgmmas are
+// known to be done then (wgmma.wait_group 1 after each unit's commit, and the barrier of the next unit).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
