@@ -334,7 +334,8 @@ def format_kernel_table(table, title):
     for a in table:
         gbs = "-" if a["gbs"] is None else f"{a['gbs']:.0f}"
         tf = "-" if a.get("tflops") is None else f"{a['tflops']:.1f}"
-        lines.append(f"{a['kernel'][:36]:<36} {a['count']:>6} {a['us']:>10.1f} {100 * a['share']:>6.1f}% {gbs:>8} {tf:>8}")
+        lines.append(f"{a['kernel'][:36]:<36} {a['count']:>6} {a['us']:>10.1f} {100 * a['share']:>6.1f}% {gbs:>8} "
+                     f"{tf:>8}")
     lines.append(f"{'sum':<36} {sum(a['count'] for a in table):>6} {sum(a['us'] for a in table):>10.1f}")
     return "\n".join(lines)
 

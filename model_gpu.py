@@ -416,9 +416,9 @@ class GpuModel(StepTools):
         return self._profile(body, reps)
 
     def _profile(self, body, reps):
-        """[{"kernel", "us", "bytes", "flops"}] of the launches body() makes: captured into a graph with an event recorded
-        after every launch, replayed `reps` times (the last one counts). Branches are off here (every launch on
-        the one stream), so each interval is one kernel's."""
+        """[{"kernel", "us", "bytes", "flops"}] of the launches body() makes: captured into a graph with an event
+        recorded after every launch, replayed `reps` times (the last one counts). Branches are off here (every
+        launch on the one stream), so each interval is one kernel's."""
         g = self.g
         marks = []                                   # (event, kernel, bytes, flops) after each launch
 

@@ -87,8 +87,8 @@ __device__ __forceinline__ uint64_t x_desc(uint32_t addr) {
 }
 
 // One thread's cp.async pieces of a unit, the parts that do not change from unit to unit. W: pieces i = 0, 1 are
-// stage row (tid >> 2) + 64 i, 16 bytes at column 16 (tid & 3). X: pieces i = 0..7 are warp instruction wi = warp + 8 i:
-// k half kc = warp & 1, token tb + 16 i with tb = 4 (warp >> 1) + (lane >> 3); lane: j = lane & 3,
+// stage row (tid >> 2) + 64 i, 16 bytes at column 16 (tid & 3). X: pieces i = 0..7 are warp instruction
+// wi = warp + 8 i: k half kc = warp & 1, token tb + 16 i with tb = 4 (warp >> 1) + (lane >> 3); lane: j = lane & 3,
 // h = (lane >> 2) & 1; the piece = X columns 64u + 32 kc + 16 h + 4 j .. + 3 (8 B): 64 contiguous bytes per token
 // in global memory, 2 shared-memory wavefronts per instruction (W_XSTEP's pad).
 struct WLoad {

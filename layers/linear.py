@@ -165,7 +165,8 @@ def _launch(g, kernel, x, projs, gelu=False):
         f = g.module('linear').function(f'{kernel}_p')
         tiles = -(-rows[0] // P_ROWS) if gelu else sum(-(-n // P_ROWS) for n in rows)
         g.launch(f, grid=(tiles, -(-t // P_TOK), 1), block=(THREADS, 1, 1), args=args,
-                 shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, flops=flops, pdl=True)
+                 shared=P_SMEM['bf16' if kernel.split('_')[1] == 'bf16' else 'fp8'], nbytes=wbytes, flops=flops,
+                 pdl=True)
         return
     v = _variant_of(kernel, t)
     if v is not None:                                        # DECODE_VARIANT (same bits, other data movement)
@@ -181,8 +182,8 @@ def _launch(g, kernel, x, projs, gelu=False):
         nt, shared = 16, 0
     f = g.module('linear').function(f'{kernel}_t{nt}')
     tiles = -(-rows[0] // ROWS) if gelu else sum(-(-n // ROWS) for n in rows)
-    g.launch(f, grid=(tiles, -(-t // nt), 1), block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes, flops=flops,
-             pdl=True)                                       # every linear.cu kernel waits (griddepcontrol)
+    g.launch(f, grid=(tiles, -(-t // nt), 1), block=(THREADS, 1, 1), args=args, shared=shared, nbytes=wbytes,
+             flops=flops, pdl=True)                          # every linear.cu kernel waits (griddepcontrol)
 
 
 def _check_x(x, k):

@@ -270,7 +270,7 @@ def _experts_direct(g, x, weights, idx, ex, out, ws, T, k):
             ("down_combine_direct", lambda: g.launch(
                 m.function("moe_down_combine_direct"), grid=(H // 16, T), block=(32 * k * s_dn,),
                 args=[ws["u"], idx, weights, ex["dw"], ex["ds"], ex["gsc"], out, H, I, k, E], shared=sh_dn,
-                pdl=True, flops=2 * P * I * H))]                       # reads idx before its wait: gate_up_direct must stay without PDL
+                pdl=True, flops=2 * P * I * H))]    # reads idx before its wait: gate_up_direct must stay without PDL
 
 
 _GSTAGES = 3        # cp.async stages of the grouped kernels (GSTAGES in moe.cu)
