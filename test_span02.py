@@ -4637,13 +4637,16 @@ if __name__ == "__main__":
 
 @needs_gpu
 def test_gpu_profile_decode_times_every_launch_of_the_step(graph_pair):
-    """profile_decode: one record per kernel of the bucket's graph, in launch order, each with a positive time;
-    the decode graphs still replay the same bytes afterwards (the profile graph is separate and freed)."""
+    """profile_decode: one record per kernel of the bucket's graph, in launch order, each with a positive time (the
+    dense launches with their FLOPs); the decode graphs still replay the same bytes afterwards (the profile graph is
+    separate and freed)."""
     on, off = graph_pair
     prof = on.profile_decode(4, context=40)          # writes KV at blocks 0..11: before the prefill below
     seqs, first = _graph_prefill([on, off], 3, np.random.default_rng(31))
     assert len(prof) == on.graph_launches[4]
     assert all(p["us"] > 0 for p in prof) and prof[0]["kernel"] == "elementwise.embed_bf16"
+    lin = [p for p in prof if p["kernel"].startswith("linear")]          # the dense launches declare their work
+    assert lin and all(p["flops"] and p["flops"] > 0 for p in lin), lin[:3]
     total = sum(p["us"] for p in prof)
     print(f"demo decode B=4 at 40 positions: {len(prof)} kernels, {total:.1f} us with the events")
     steps = [SeqStep((t,), len(tok), bl, readout=keys, argmax=True) for (tok, bl, keys), t in zip(seqs, first)]
