@@ -5412,7 +5412,7 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
     ws = moe.moe_workspace(g, T, ex["E"], k, H, ex["I"])
     out = g.empty((T, H), BF16)
     if poison:
-        for name in ("u", "o", "perm", "offsets", "active", "n_active", "tiles", "n_tiles"):
+        for name in ("u", "o", "perm", "offsets", "active", "n_active", "tiles", "n_tiles", "xp", "up"):
             g.fill(ws[name], 0xFF)
         g.fill(out, 0xFF)
     dx, dw, di = g.upload(x), g.upload(w), g.upload(idx)
@@ -5424,11 +5424,18 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
 
 
 def all_paths(g, ex, x, w, idx):
-    """{label: out} for the auto choice, the direct path and every grouped tile width."""
+    """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one."""
     res = {"auto": run2(g, ex, x, w, idx), "direct": run2(g, ex, x, w, idx, path="direct")}
     for nt in moe._NT_CHOICES:
         res[f"grouped_n{nt}"] = run2(g, ex, x, w, idx, path="grouped", nt=nt)
+    for nt in wg_nts(g, ex):
+        res[f"wgmma_{8 * nt}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
     return res
+
+
+def wg_nts(g, ex):
+    """The wgmma path's tile widths where it runs (sm_90, H and I divisible by 64), else none."""
+    return moe._WG_NT if g.capability == (9, 0) and moe.wg_fits(ex["H"], ex["I"]) else ()
 
 
 def assert_same(res, name):
@@ -5463,7 +5470,8 @@ def test_gpu_experts_real(g, real, T, seed):
 @needs_gpu
 @pytest.mark.parametrize("T,shape", [(1, SMALL), (3, SMALL), (17, SMALL), (40, SMALL),
                                      (9, dict(E=5, k=3, H=80, I=48)), (1, dict(E=5, k=3, H=80, I=48)),
-                                     (33, dict(E=6, k=2, H=144, I=16)), (5, dict(E=4, k=4, H=16, I=208))])
+                                     (33, dict(E=6, k=2, H=144, I=16)), (5, dict(E=4, k=4, H=16, I=208)),
+                                     (150, dict(E=6, k=2, H=192, I=320))])    # wgmma: partial units and row tiles
 def test_gpu_moe2_small(g, T, shape):
     E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
     ck = make_experts(E, H, I, seed=11 + H + I, modelopt_odd=True)
@@ -5520,6 +5528,8 @@ def test_gpu_moe2_batch_invariance(g, real):
     for nt in moe._NT_CHOICES:
         assert run2(g, ex, x, w, idx, path="grouped", nt=nt).tobytes() == full.tobytes(), f"T=300 nt={nt}"
     assert run2(g, ex, x, w, idx, path="direct").tobytes() == full.tobytes(), "T=300 direct"
+    for nt in wg_nts(g, ex):
+        assert run2(g, ex, x, w, idx, path="wgmma", nt=nt).tobytes() == full.tobytes(), f"T=300 wgmma nt={nt}"
     for t in (0, 1, 13, 150, 299):
         alone = run2(g, ex, x[t:t + 1], w[t:t + 1], idx[t:t + 1])     # direct path
         assert alone.tobytes() == full[t:t + 1].tobytes(), f"token {t}: alone != in batch of {T}"
@@ -5579,7 +5589,7 @@ def test_gpu_moe2_graph_replay(g, real):
 # --- timing -------------------------------------------------------------------------------------------------
 
 @needs_gpu
-@pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 64, 256, 2048])
+@pytest.mark.parametrize("T", [1, 2, 4, 8, 16, 64, 256, 512, 2048])
 def test_gpu_moe2_timing(g, real, T):
     """Graph-replayed time of the expert part (router excluded) at the real shapes, random routing over all 128
     experts; per-launch times from one-kernel graphs; GB/s over moe_bytes(active experts), TFLOP/s over
@@ -5595,11 +5605,13 @@ def test_gpu_moe2_timing(g, real, T):
     nbytes = moe.moe_bytes(act, H, I)
     flop = 2.0 * T * k * 3 * I * H
     n = 20 if T >= 1024 else 100
-    paths = [None] + (["grouped"] if T <= moe.DIRECT_MAX_T else ["direct"] if T <= 16 else [])
-    for path in paths:
-        plan = moe._plan(g, dx, dw, di, ex, out, ws, T, k, path)
+    paths = [(None, None)] + ([("grouped", None)] if T <= moe.DIRECT_MAX_T else [("direct", None)] if T <= 16 else [])
+    if T >= 64:
+        paths += [("grouped", None)] + [("wgmma", nt) for nt in wg_nts(g, ex)]
+    for path, nt in paths:
+        plan = moe._plan(g, dx, dw, di, ex, out, ws, T, k, path, nt)
         ms = _graph_time(g, lambda: [f() for _, f in plan], reps=1, replays=n)
-        label = path or "auto"
+        label = (path or "auto") + (f" nt={nt}" if nt else "")
         print(f"moe2 T={T} [{label}: {', '.join(nm for nm, _ in plan)}]: {act} experts, {nbytes / 1e6:.1f} MB, "
               f"{ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s, {flop / ms / 1e9:.1f} TFLOP/s; "
               f"4.2 TB/s floor {nbytes / 4.2e12 * 1e6:.1f} us)")
@@ -5609,6 +5621,57 @@ def test_gpu_moe2_timing(g, real, T):
     t0 = time.perf_counter()
     g.sync()
     assert time.perf_counter() - t0 < 60
+
+
+def test_moe_path_choice():
+    """layers.moe's launch plan (no device): direct to DIRECT_MAX_T, the wgmma path (kernels_ptx/moe_sm90a.cu) from
+    WG_MIN_T tokens on sm_90 only, the mma.sync grouped path otherwise; the wgmma launches' grids, tile widths (by
+    the mean group), FLOPs and dynamic shared memory (the kernel file's table of tile widths and stages; a stage
+    holds the tile's x rows, 8 KiB of weights and 1 KiB of scales), which lets 2 CTAs share an SM's 228 KiB as the
+    kernels' launch bounds expect; shapes with H or I not divisible by 64 stay on the grouped path; a clear error
+    for the wgmma path off sm_90, on such a shape, or with a tile width it does not have."""
+    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels_ptx', 'moe_sm90a.cu')).read()
+    table = {}
+    for name, ntok, st in re.findall(r'^(?:GU|DN)_WG\(moe_(?:gate_up|down)_(\w+), (\d+), (\d+)\)', src, re.M):
+        table.setdefault(name, set()).add((int(ntok), int(st)))
+    assert {k: {v} for k, v in moe._WG_KERNELS.items()} == table, table
+    E, k, H, I = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"], MOE_REAL["I"]
+    arr = lambda *shape: types.SimpleNamespace(shape=shape, ptr=1024)
+    ex = dict(E=E, H=H, I=I, **{n: arr(1) for n in ("gw", "gs", "uw", "us", "dw", "ds", "gsc")})
+
+    def plan(T, capability=(9, 0), path=None, nt=None):
+        g = _LaunchLog(capability)
+        P = T * k
+        ws = dict(T=T, k=k, offsets=arr(E + 1), perm=arr(P), active=arr(E), n_active=arr(1), u=arr(P, I),
+                  o=arr(P, H), xp=arr(T, 2816), up=arr(P, 768), tiles=arr(moe._max_tiles(E, P, 8), 4), n_tiles=arr(1))
+        launches = moe._plan(g, arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt)
+        for _, f in launches:
+            f()
+        return [name for name, _ in launches], g.launches
+
+    assert plan(1)[0] == ["gate_up_direct", "down_combine_direct"]
+    assert plan(moe.WG_MIN_T - 1)[0][1].startswith("gate_up_mma_n")
+    for T, ntok in ((128, 32), (384, 32), (512, 64), (2048, 64)):   # mean group P / E = 8, 24, 32, 128 tokens
+        names, launches = plan(T)
+        assert names == ["group_tiles", "permute_x", f"gate_up_wg{ntok}", f"down_wg{ntok}", "combine"], names
+        P, maxt = T * k, moe._max_tiles(E, T * k, ntok)
+        stages = {32: 5, 64: 4}[ntok]
+        shared = 1024 + stages * (256 * ntok + 9216) + 512      # align, stages (x rows, weights, scales), row offsets
+        assert launches[0][0] == "moe.moe_group_tiles"
+        assert launches[1][:2] == ("moe_sm90a.moe_permute_x", (6, T))          # 2 columns a thread
+        assert launches[2] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[2]
+        assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (22, maxt), shared, 2 * P * I * H), launches[3]
+    assert all(2 * (moe._wg_shared(*v) + 1024) <= 228 * 1024 for v in moe._WG_KERNELS.values())   # + 1 KiB reserved
+    assert plan(512, capability=(8, 9))[0][1] == "gate_up_mma_n4"
+    assert plan(512, path="wgmma", nt=4)[0][2] == "gate_up_wg32"
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        plan(512, capability=(8, 9), path="wgmma")
+    with pytest.raises(ValueError, match="nt must be one of"):
+        plan(512, path="wgmma", nt=2)
+    ex.update(H=80, I=48)                                            # K % 64 != 0: the grouped path
+    assert plan(512)[0][1] == "gate_up_mma_n4"
+    with pytest.raises(ValueError, match="H and I divisible by 64"):
+        plan(512, path="wgmma")
 
 
 # ====================================================================================================

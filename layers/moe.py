@@ -122,6 +122,7 @@ def moe_workspace(g, T, E, k, H, I):
                 offsets=g.empty((E + 1,), np.int32),
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
                 u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
+                xp=g.empty((T, _pad128(H)), _bf16()), up=g.empty((P, _pad128(I)), _bf16()),    # the wgmma path's
                 tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32))
 
 
@@ -171,8 +172,9 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
     """x_normed (T, H) bf16 = pre_feedforward_layernorm_2(h); weights (T, k) f32, idx (T, k) i32 from router_gpu
     (if weights is None they are computed here from h with experts' router arrays: pass top_k, eps, and
     weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router.
-    path: None (auto: "direct" for T <= DIRECT_MAX_T, else "grouped"), "direct" or "grouped"; nt: grouped tile
-    width 8*nt tokens (1, 2, 4, 8; None = auto). Neither changes the result bits (tests force each)."""
+    path: None (auto: "direct" for T <= DIRECT_MAX_T, "wgmma" from WG_MIN_T on sm_90, else "grouped"), "direct",
+    "grouped" or "wgmma"; nt: grouped tile width 8*nt tokens (1, 2, 4, 8), or the wgmma path's (4, 8; None =
+    auto). Neither changes the result bits (tests force each)."""
     E, H, I = experts["E"], experts["H"], experts["I"]
     T = x_normed.shape[0]
     bf = _bf16()
@@ -209,7 +211,8 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
     H, I = ex["H"], ex["I"]
     direct_fits = max(_direct_shared(H, I, k)) <= _DIRECT_SMEM
     if path is None:
-        path = "direct" if T <= DIRECT_MAX_T and direct_fits else "grouped"
+        path = ("direct" if T <= DIRECT_MAX_T and direct_fits else
+                "wgmma" if T >= WG_MIN_T and g.capability == (9, 0) and wg_fits(H, I) else "grouped")
     if path == "direct":
         if not direct_fits:
             raise ValueError(f"moe_gpu: direct path needs 2*H + 128*ceil(H/128) and 2*k*I + 64*k*ceil(I/128) <= "
@@ -217,7 +220,9 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
         return _experts_direct(g, x, weights, idx, ex, out, ws, T, k)
     if path == "grouped":
         return _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt)
-    raise ValueError(f"moe_gpu: path must be 'direct' or 'grouped', got {path!r}")
+    if path == "wgmma":
+        return _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt)
+    raise ValueError(f"moe_gpu: path must be 'direct', 'grouped' or 'wgmma', got {path!r}")
 
 
 # Tensor-core expert paths (kernels_ptx/moe.cu). Both run the same per-element arithmetic (per 128-column K block
@@ -301,6 +306,83 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                 m.function(f"moe_down_mma_n{nt}"), grid=((H + 127) // 128, maxt), block=(128,),
                 args=[ws["u"], ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"],
                       H, I], shared=shared, flops=2 * P * I * H)),
+            ("combine", lambda: g.launch(
+                m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
+                args=[ws["o"], idx, out, T, H, k, E]))]
+
+
+# wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_tiles (tiles of
+#   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
+#   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
+#   warpgroup MMAs (m64n{8nt}k16): each tile decodes its expert's weights once for up to 8*nt tokens. Expert time
+#   per layer against the grouped path on the H200 (us, random routing over 128 experts; BENCHMARKS.md, sixth
+#   session): T = 128: 307 / 334, 256: 320 / 370, 512: 447 / 483, 1024: 667 / 809, 2048: 1,145 / 1,389; at T = 64
+#   the grouped path is faster (262 / 323), hence WG_MIN_T.
+WG_MIN_T = 128
+_WG_NT = (4, 8)
+# kernel -> (tokens per tile, stages): moe_sm90a.cu's GU_WG / DN_WG table; tile width 8*nt runs f"wg{8*nt}"
+_WG_KERNELS = {"wg32": (32, 5), "wg64": (64, 4)}
+
+
+def _pad128(n):
+    return (n + 127) // 128 * 128
+
+
+def _wg_shared(ntok, stages):
+    """Dynamic shared bytes of the wgmma kernels (moe_sm90a.cu WG_SMEM): 1 KiB to align the stages, the stages (x
+    rows: 256 B a token; the weights: 8 KiB packed + 1 KiB scales), the row offsets."""
+    return 1024 + stages * (256 * ntok + 9216) + 512
+
+
+def wg_fits(H, I):
+    """The wgmma kernels copy weights in 16-byte packed / 4-byte scale pieces: rows of K % 64 == 0 columns."""
+    return H % 64 == 0 and I % 64 == 0
+
+
+def _pick_wg_nt(P, E):
+    """Tokens per wgmma tile = 8*nt from the mean group size (speed only: results do not depend on it; at T = 512,
+    a mean of 32, 64 tokens per tile measured 447 us against 462 for 32)."""
+    avg = P / max(1, min(E, P))
+    return 4 if avg <= 24 else 8
+
+
+def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
+    E, H, I = ex["E"], ex["H"], ex["I"]
+    P = T * k
+    if g.capability != (9, 0):
+        cc = "".join(map(str, g.capability))
+        raise ValueError(f"moe_gpu: the wgmma path needs an sm_90 GPU (this one is sm_{cc})")
+    if not wg_fits(H, I):
+        raise ValueError(f"moe_gpu: the wgmma path needs H and I divisible by 64 (H={H}, I={I})")
+    nt = _pick_wg_nt(P, E) if nt is None else nt
+    if nt not in _WG_NT:
+        raise ValueError(f"moe_gpu: the wgmma path's nt must be one of {_WG_NT}, got {nt}")
+    kern = f"wg{8 * nt}"
+    ntok, stages = _WG_KERNELS[kern]
+    Hp, Ip = _pad128(H), _pad128(I)
+    maxt = _max_tiles(E, P, ntok)
+    tiles, xp, up = ws.get("tiles"), ws.get("xp"), ws.get("up")
+    if tiles is None or tiles.shape[0] < maxt or xp is None or xp.shape[0] < T or up is None or up.shape[0] < P:
+        raise ValueError(f"workspace too small for the wgmma path at T={T} (build it with moe_workspace)")
+    if max(T * Hp, P * Ip) >= 2 ** 31:
+        raise ValueError(f"moe: the wgmma path needs T*Hp and P*Ip < 2^31 (T={T}, k={k}, H={H}, I={I})")
+    m, mw = g.module("moe"), g.module("moe_sm90a")
+    shared = _wg_shared(ntok, stages)
+    return [("group_tiles", lambda: g.launch(
+                m.function("moe_group_tiles"), grid=(1,), block=(1024,),
+                args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ntok, tiles,
+                      ws["n_tiles"]])),
+            ("permute_x", lambda: g.launch(
+                mw.function("moe_permute_x"), grid=((Hp + 511) // 512, T), block=(256,), args=[x, xp, H, Hp],
+                nbytes=2 * T * (H + Hp))),
+            (f"gate_up_{kern}", lambda: g.launch(
+                mw.function(f"moe_gate_up_{kern}"), grid=((I + 63) // 64, maxt), block=(256,),
+                args=[xp, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], up,
+                      H, I, k], shared=shared, flops=4 * P * I * H)),
+            (f"down_{kern}", lambda: g.launch(
+                mw.function(f"moe_down_{kern}"), grid=((H + 127) // 128, maxt), block=(256,),
+                args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I],
+                shared=shared, flops=2 * P * I * H)),
             ("combine", lambda: g.launch(
                 m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
                 args=[ws["o"], idx, out, T, H, k, E]))]

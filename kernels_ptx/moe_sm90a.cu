@@ -1,0 +1,385 @@
+// The NVFP4 experts on Hopper's wgmma (sm_90a): moe.cu's grouped path (moe_gate_up_mma_n* -> moe_down_mma_n*) with
+// the same per-output arithmetic, bit for bit (moe_common.cuh states it), on warpgroup MMAs. layers/moe.py runs it
+// on sm_90 from WG_MIN_T tokens (path "wgmma"); at T = 2048 its two expert kernels take 1,000 us per layer against
+// the grouped path's 1,260 (BENCHMARKS.md, sixth session).
+//
+// Why the bits are the same: wgmma m64nNk16 with A from registers and B from shared memory computes each k16 step
+// exactly as mma.sync m16n8k16 with the same fragments (measured on the H200, 2026-11-30: linear_sm90a.cu's
+// header). Here A is the same register fragment moe.cu builds (the same exact NVFP4 -> bf16 decode of the same
+// lane's 32 columns per super unit, the same step order), and B holds, for every step, the same 16 columns in the
+// same k slots: the activations are first copied into a PERMUTED column order in which each step's 16 slots are
+// contiguous (32 bytes), so that B can be staged with plain 16-byte cp.async pieces in the wgmma layout:
+//   position 16 s + slot of a super unit (s = 2m + h the step, slot as in moe_common.cuh) holds
+//     slot 2q + j      <- column 32q + 8m + 4h + j       (j = 0, 1)
+//     slot 2q + 8 + j  <- column 32q + 8m + 4h + 2 + j
+//   (columns >= K are zero). moe_permute_x makes that copy of x; the gate/up kernel writes u in it directly.
+// Each super unit's 8 steps run from zeroed registers (not scale-d = 0: a chain of -0.0 products stays as the mma
+// chain leaves it) and the unit's partial is added to the fp32 total with __fadd_rn from +0.0f, units ascending,
+// exactly as nvfp4_mma_run does.
+//
+// CTA: 2 warpgroups (256 threads), one tile (expert e, grouped positions q0 .. q0 + nq - 1, nq <= NTOK) of
+// moe_group_tiles with TS = NTOK. Warp w of a warpgroup owns 16 weight rows; the warpgroup's 64 rows are wgmma's M,
+// the tile's tokens its N. A cp.async pipeline of ST super units brings each stage's activation rows (128-byte
+// swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded from shared memory.
+// What the speed came from (H200, same call each, T = 2048 gate_up + down): the first version (no swizzle, weights
+// loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (725 + 545); weights through
+// shared memory (a register load in flight makes wgmma.fence wait for it) 915 + 752; 128-byte swizzle for the
+// activations 662 + 583; one A buffer and <= 128 registers, so that 2 CTAs share an SM and hide each other's waits
+// (the decisive step) 603 + 397 at 64 tokens per tile with 4 stages.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "pdl.cuh"
+#include "moe_common.cuh"
+
+
+// Column c (0..127) of a super unit -> its position in the permuted order; word w (0..63) of the permuted order
+// <- column perm_col(w) (2 bf16).
+__device__ __forceinline__ int perm_pos(int c) {
+    const int q = c >> 5, m = (c >> 3) & 3, h = (c >> 2) & 1, r = c & 3;
+    return 16 * (2 * m + h) + (r < 2 ? 2 * q + r : 2 * q + 6 + r);
+}
+__device__ __forceinline__ int perm_col(int w) {
+    const int s = w >> 3, wi = w & 7;
+    return 32 * (wi & 3) + 8 * (s >> 1) + 4 * (s & 1) + 2 * (wi >> 2);
+}
+
+// xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 512), T),
+// block 256: one 4-byte word (2 columns) per thread.
+extern "C" __global__ void __launch_bounds__(256) moe_permute_x(const bf16 *__restrict__ x, bf16 *__restrict__ xp,
+                                                                int K, int Kp) {
+    pdl_entry();
+    const int t = blockIdx.y, w = blockIdx.x * 256 + threadIdx.x;
+    if (2 * w >= Kp) return;
+    const int c = (w >> 6) * 128 + perm_col(w & 63);
+    const uint32_t v = c < K ? *reinterpret_cast<const uint32_t *>(x + (size_t)t * K + c) : 0u;
+    *reinterpret_cast<uint32_t *>(xp + (size_t)t * Kp + 2 * w) = v;
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// The compiler must not move reads or writes of the accumulators across a wgmma issue / wait.
+template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 x N tile of the warpgroup, fp32, N / 2 per thread) += A (64 x 16, registers) * B (16 x N, shared at desc).
+template <int N> __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
+template <> __device__ __forceinline__ void wgmma_n<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+        "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+template <> __device__ __forceinline__ void wgmma_n<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
+        "%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+// Shared-memory descriptor of step s's B in the stage at st: K-major, 128-byte swizzle. The stage's X is 2 NTOK
+// rows of 128 bytes, row u = 64-column half h (steps 4h .. 4h + 3) of token u - h NTOK; the 16-byte chunk c of a row
+// (step 4h + c / 2, k half c % 2) lies at chunk c ^ (u % 8). The step starts 32 (s % 4) bytes into its half's first
+// row; stride byte offset 1024 (8 rows), leading byte offset unused (1); the stage is 1024-byte aligned.
+template <int NTOK> __device__ __forceinline__ uint64_t b_desc(uint32_t st, int s) {
+    const uint32_t addr = st + (s >> 2) * (128 * NTOK) + 32 * (s & 3);
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+// A thread's cp.async pieces of every super unit.
+//   X: piece j (0 .. NTOK/16 - 1) = chunk c = lane & 7 of row u = tid / 8 + 32 j (see b_desc): 8 lanes copy 128
+//      contiguous bytes of a token into one 128-byte row. off[j] = element offset of the piece in X's permuted row
+//      (without the unit's 128 su), or -1 (zero fill).
+//   W: the lane's own NVFP4 words, as WRing loads them: rows g and g + 8 (h) of its warp's 16, columns 128 su + 32 q
+//      .. + 31 (16 bytes; zeros past K) at WG_W + 16 (64 warp + 32 h + lane); the lanes with even q also copy the 4
+//      scale bytes of columns 128 su + 64 (q >> 1) .. + 63 (theirs and lane q + 1's): row (warp, h, g)'s 8 scale
+//      bytes of the unit lie at WG_S + 8 (16 warp + 8 h + g). Weights go through shared memory, not straight into
+//      registers: an LDG still in flight into a register when wgmma.fence issues makes the fence wait for it (one
+//      memory latency per unit; measured, see the header).
+template <int NTOK>
+struct WgLoad {
+    int off[NTOK / 16];
+    uint32_t xdst;                      // X piece 0's byte offset in a stage (piece j: + 4096 j)
+    const uint8_t *w, *s;               // the lane's row g: packed bytes at column 32 q, scales at column 64 (q >> 1)
+    size_t w8, s8;                      // bytes of 8 packed / 8 scale rows (row g + 8)
+    int K;
+};
+
+#define WG_W(NTOK) (256 * (NTOK))                  // stage layout: X, then W (8 KB), then the scales (1 KB)
+#define WG_S(NTOK) (256 * (NTOK) + 8192)
+#define WG_STAGE(NTOK) (256 * (NTOK) + 9216)
+// Dynamic shared memory: up to 1 KB to align the stages to 1024 bytes (the swizzled layout's atoms), the stages,
+// then the NTOK row offsets (int).
+#define WG_SMEM(NTOK, ST) (1024 + (ST) * WG_STAGE(NTOK) + 512)
+__device__ __forceinline__ uint8_t *wg_stages(uint8_t *smem) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return smem + (((a + 1023) & ~1023u) - a);
+}
+
+template <int NTOK>
+__device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, const uint8_t *wrow, const uint8_t *srow,
+                                                      int K) {
+    const int lane = threadIdx.x & 31, q = lane & 3;
+    WgLoad<NTOK> L;
+    const int c = lane & 7, u0 = threadIdx.x >> 3;
+#pragma unroll
+    for (int j = 0; j < NTOK / 16; ++j) {
+        const int u = u0 + 32 * j, t = u % NTOK, h = u / NTOK;
+        const int ro = rowoff[t];
+        L.off[j] = ro >= 0 ? ro + 64 * h + 8 * c : -1;
+    }
+    L.xdst = 128 * u0 + 16 * (c ^ (u0 & 7));
+    L.w = wrow + 16 * q;
+    L.s = srow + 4 * (q >> 1);
+    L.w8 = (size_t)8 * (K >> 1);
+    L.s8 = (size_t)8 * (K >> 4);
+    L.K = K;
+    return L;
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async16s(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// Super unit su (X rows of the tile, the warps' weights) into the stage at shared address st. Requires K % 64 == 0
+// (16-byte packed pieces, 4-byte scale pieces; the launcher checks).
+template <int NTOK>
+__device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st, const bf16 *X, int su) {
+#pragma unroll
+    for (int j = 0; j < NTOK / 16; ++j) {
+        const bool ok = L.off[j] >= 0;
+        cp_async16s(st + L.xdst + 4096 * j, ok ? (const void *)(X + L.off[j] + 128 * su) : (const void *)X, ok);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
+    const bool wok = 128 * su + 32 * q < L.K, sok = 128 * su + 64 * (q >> 1) < L.K;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        cp_async16s(st + WG_W(NTOK) + 16 * (64 * warp + 32 * h + lane), wok ? L.w + h * L.w8 + 64 * su : L.w, wok);
+        if (!(q & 1))
+            cp_async4(st + WG_S(NTOK) + 8 * (16 * warp + 8 * h + g) + 4 * (q >> 1),
+                      sok ? L.s + h * L.s8 + 8 * su : L.s, sok);
+    }
+}
+
+// The A fragments of the unit in the stage at generic address sp for the warp's 16 rows: steps 2m, 2m + 1 from word
+// m of rows g and g + 8, exactly as nvfp4_mma_run builds them (MT = 1).
+template <int NTOK>
+__device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
+    uint4 w[2];
+    uint32_t S[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        w[h] = *reinterpret_cast<const uint4 *>(sp + WG_W(NTOK) + 16 * (64 * warp + 32 * h + lane));
+        const uint32_t s2 =
+            *reinterpret_cast<const unsigned short *>(sp + WG_S(NTOK) + 8 * (16 * warp + 8 * h + g) + 2 * q);
+        scales_bf16x2(s2, S[h][0], S[h][1]);
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        uint32_t rg[4], rh[4];
+        fp4x8_bf16(u4word(w[0], m), S[0][m >> 1], rg);
+        fp4x8_bf16(u4word(w[1], m), S[1][m >> 1], rh);
+        a[2 * m][0] = rg[0]; a[2 * m][1] = rh[0]; a[2 * m][2] = rg[1]; a[2 * m][3] = rh[1];
+        a[2 * m + 1][0] = rg[2]; a[2 * m + 1][1] = rh[2]; a[2 * m + 1][2] = rg[3]; a[2 * m + 1][3] = rh[3];
+    }
+}
+
+// tot (registers: the warpgroup's 64 rows x NTOK tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8
+// for i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order,
+// of the warp's weight rows (wrow / srow: row g's packed / scale bytes) against the tile's rows of X (rowoff), ST
+// stages. Per unit: its 8 steps are issued into the zeroed partial (A decoded before); while they run, the next
+// unit's stage is waited for and the previous unit's stage refilled; then the partial is added and the next unit's
+// A fragments decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). Leaves no
+// cp.async group or wgmma pending, and the stages free (barrier).
+template <int NTOK, int ST>
+__device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *X, const int *rowoff, const uint8_t *wrow,
+                                            const uint8_t *srow, int K, float (&tot)[NTOK / 2]) {
+    const int nsu = (K + 127) >> 7;
+    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, wrow, srow, K);
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if (s < nsu) wg_stage_load<NTOK>(L, sbase + s * WG_STAGE(NTOK), X, s);
+        cp_async_commit_();
+    }
+    float part[NTOK / 2];
+#pragma unroll
+    for (int i = 0; i < NTOK / 2; ++i) tot[i] = part[i] = 0.f;
+    uint32_t a[8][4];
+    cp_async_wait_<ST - 2>();                                 // unit 0
+    fence_proxy_async();
+    __syncthreads();
+    wg_a<NTOK>(smem, a);
+    for (int su = 0; su < nsu; ++su) {
+        wg_fence();
+        fence_acc(part);
+#pragma unroll
+        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc<NTOK>(sbase + (su % ST) * WG_STAGE(NTOK), s));
+        wg_commit();
+        if (su + 1 < nsu) {
+            cp_async_wait_<ST - 3>();                         // this thread's pieces of unit su + 1 have landed
+            fence_proxy_async();                              // ... and are visible to the tensor cores
+            __syncthreads();                                  // everyone's; unit su - 1's wgmmas are done
+            if (su + ST - 1 < nsu)                            // into unit su - 1's stage
+                wg_stage_load<NTOK>(L, sbase + ((su + ST - 1) % ST) * WG_STAGE(NTOK), X, su + ST - 1);
+            cp_async_commit_();                               // (maybe empty) keeps the group count uniform
+        }
+        wg_wait<0>();
+        fence_acc(part);
+#pragma unroll
+        for (int i = 0; i < NTOK / 2; ++i) {
+            tot[i] = __fadd_rn(tot[i], part[i]);
+            part[i] = 0.f;
+        }
+        if (su + 1 < nsu) wg_a<NTOK>(smem + ((su + 1) % ST) * WG_STAGE(NTOK), a);
+    }
+    cp_async_wait_<0>();
+    __syncthreads();                                          // the stages may be reused
+}
+
+// gate/up: grid (ceil(I / 64), max_tiles), block 256, tile blockIdx.y (exit if >= n_tiles). Warpgroup 0 computes
+// the gate rows n0 .. n0 + 63 (n0 = 64 blockIdx.x), warpgroup 1 the up rows of the same outputs; warps past I
+// compute a copy of the last 16 rows and store nothing. x rows: xp (T, Hp), token perm[q] / k.
+// up[q, pos] = bf16(gate_up_out(gate . x, up . x)) for the tile's grouped positions q, in the permuted order (row
+// stride Ip = 128 ceil(I / 128)); the last column block's CTA also writes the zeros of the columns I .. Ip - 1.
+// Dynamic smem WG_SMEM(NTOK, ST).
+template <int NTOK, int ST>
+__device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, const int *__restrict__ perm,
+                                                const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
+                                                const uint8_t *__restrict__ gw, const uint8_t *__restrict__ gs,
+                                                const uint8_t *__restrict__ uw, const uint8_t *__restrict__ us,
+                                                const float *__restrict__ gsc, bf16 *__restrict__ up, int H, int I,
+                                                int k) {
+    extern __shared__ __align__(128) uint8_t smem_wg[];
+    uint8_t *stages = wg_stages(smem_wg);
+    int *rowoff = reinterpret_cast<int *>(stages + ST * WG_STAGE(NTOK));
+    if ((int)blockIdx.y >= n_tiles[0]) return;                // uniform
+    const int4 tl = tiles[blockIdx.y];
+    const int e = tl.x, q0 = tl.y, nq = tl.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int proj = warp >> 2, nn = blockIdx.x * 64 + 16 * (warp & 3);
+    const bool live = nn < I;
+    const int n0 = live ? nn : I - 16;
+    const int Hp = (H + 127) & ~127, Ip = (I + 127) & ~127;
+    const size_t row = (size_t)e * I + n0 + g;
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (perm[q0 + i] / k) * Hp : -1;
+    __syncthreads();
+    float tot[NTOK / 2];
+    wg_mainloop<NTOK, ST>(stages, xp, rowoff, (proj ? uw : gw) + row * (H >> 1), (proj ? us : gs) + row * (H >> 4), H,
+                          tot);
+    float *xch = reinterpret_cast<float *>(stages);           // [i * 128 + thread of warpgroup 0]
+    if (proj == 0) {
+#pragma unroll
+        for (int i = 0; i < NTOK / 2; ++i) xch[i * 128 + threadIdx.x] = tot[i];
+    }
+    __syncthreads();
+    if (proj == 1 && live) {
+        const float *gg = gsc + ((size_t)e * 3 + 0) * 2, *gu = gsc + ((size_t)e * 3 + 1) * 2;
+#pragma unroll
+        for (int n = 0; n < NTOK / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int tok = 8 * n + 2 * q + (i & 1), r = n0 + g + ((i & 2) ? 8 : 0);
+                if (tok < nq)
+                    up[(size_t)(q0 + tok) * Ip + (r & ~127) + perm_pos(r & 127)] = __float2bfloat16_rn(
+                        gate_up_out(xch[(4 * n + i) * 128 + threadIdx.x - 128], tot[4 * n + i], gg, gu));
+            }
+    }
+    if (blockIdx.x == gridDim.x - 1)                          // the padding columns I .. Ip - 1 read as zeros
+        for (int i = threadIdx.x; i < nq * (Ip - I); i += blockDim.x) {
+            const int tok = i / (Ip - I), r = I + i % (Ip - I);
+            up[(size_t)(q0 + tok) * Ip + (r & ~127) + perm_pos(r & 127)] = __float2bfloat16_rn(0.f);
+        }
+}
+
+// down: grid (ceil(H / 128), max_tiles), block 256; warpgroup w owns output rows 128 blockIdx.x + 64 w .. + 63
+// (warps past H compute a copy of the last 16 rows and store nothing); u rows of the tile: up (P, Ip) grouped
+// positions q0 .. q0 + nq - 1. o[p, n] = bf16((down_e[n] . u[q] / g_down) * w[p]), p = perm[q], in PAIR order
+// (moe.cu's down_grouped_body); moe_combine_bf16 sums the slots.
+template <int NTOK, int ST>
+__device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const int *__restrict__ perm,
+                                             const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
+                                             const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,
+                                             const float *__restrict__ gsc, const float *__restrict__ weights,
+                                             bf16 *__restrict__ o, int H, int I) {
+    extern __shared__ __align__(128) uint8_t smem_wg[];
+    uint8_t *stages = wg_stages(smem_wg);
+    int *rowoff = reinterpret_cast<int *>(stages + ST * WG_STAGE(NTOK));
+    if ((int)blockIdx.y >= n_tiles[0]) return;
+    const int4 tl = tiles[blockIdx.y];
+    const int e = tl.x, q0 = tl.y, nq = tl.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int nn = blockIdx.x * 128 + 16 * warp;
+    const bool live = nn < H;
+    const int n0 = live ? nn : H - 16;
+    const int Ip = (I + 127) & ~127;
+    const size_t row = (size_t)e * H + n0 + g;
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (q0 + i) * Ip : -1;
+    __syncthreads();
+    float tot[NTOK / 2];
+    wg_mainloop<NTOK, ST>(stages, up, rowoff, dw + row * (I >> 1), ds + row * (I >> 4), I, tot);
+    if (!live) return;
+    const float *gd = gsc + ((size_t)e * 3 + 2) * 2;
+#pragma unroll
+    for (int n = 0; n < NTOK / 8; ++n)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int tok = 8 * n + 2 * q + c;
+            if (tok < nq) {
+                const int p = perm[q0 + tok];
+                const float w = weights[p];
+                bf16 *orow = o + (size_t)p * H + n0 + g;
+                orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
+                orow[8] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + 2 + c], gd), w));
+            }
+        }
+}
+
+// Kernels per tile width NTOK (= moe_group_tiles' TS): moe.cu's grouped signatures, with xp / up in the permuted
+// order. Requires H % 64 == 0 and I % 64 == 0 (layers/moe.py checks).
+// Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); 2 CTAs per SM (<= 128 registers). The
+// table in layers/moe.py (_WG_KERNELS) must match.
+#define GU_WG(NAME, NTOK, ST)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
+        const bf16 *__restrict__ xp, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
+        const int *__restrict__ n_tiles, const uint8_t *__restrict__ gw, const uint8_t *__restrict__ gs,          \
+        const uint8_t *__restrict__ uw, const uint8_t *__restrict__ us, const float *__restrict__ gsc,            \
+        bf16 *__restrict__ up, int H, int I, int k) {                                                            \
+        pdl_entry();                                                                                              \
+        gate_up_wg_body<NTOK, ST>(xp, perm, tiles, n_tiles, gw, gs, uw, us, gsc, up, H, I, k);                   \
+    }
+#define DN_WG(NAME, NTOK, ST)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
+        const bf16 *__restrict__ up, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
+        const int *__restrict__ n_tiles, const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,          \
+        const float *__restrict__ gsc, const float *__restrict__ weights, bf16 *__restrict__ o, int H, int I) {   \
+        pdl_entry();                                                                                              \
+        down_wg_body<NTOK, ST>(up, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I);                          \
+    }
+GU_WG(moe_gate_up_wg32, 32, 5)
+GU_WG(moe_gate_up_wg64, 64, 4)
+DN_WG(moe_down_wg32, 32, 5)
+DN_WG(moe_down_wg64, 64, 4)
