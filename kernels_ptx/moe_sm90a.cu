@@ -22,7 +22,7 @@
 // the tile's tokens its N. A cp.async pipeline of ST super units brings each stage's activation rows (128-byte
 // swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded from shared memory.
 // What the speed came from (H200, same call each, T = 2048 gate_up + down): the first version (no swizzle, weights
-// loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (725 + 545); weights through
+// loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (718 + 541); weights through
 // shared memory (a register load in flight makes wgmma.fence wait for it) 915 + 752; 128-byte swizzle for the
 // activations 662 + 583; one A buffer and <= 128 registers, so that 2 CTAs share an SM and hide each other's waits
 // (the decisive step) 603 + 397 at 64 tokens per tile with 4 stages.
