@@ -32,7 +32,6 @@
 #include "pdl.cuh"
 #include "moe_common.cuh"
 
-
 // Column c (0..127) of a super unit -> its position in the permuted order; word w (0..63) of the permuted order
 // <- column perm_col(w) (2 bf16).
 __device__ __forceinline__ int perm_pos(int c) {
