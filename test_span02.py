@@ -5647,10 +5647,17 @@ def test_moe_path_choice():
         launches = moe._plan(g, arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt)
         for _, f in launches:
             f()
+        # both grouped paths sort the pairs and combine the slots with the same launches
+        if launches[0][0] == "group_tiles":
+            ts = 8 * (nt or (moe._pick_wg_nt(P, E) if "permute_x" in dict(launches) else moe._pick_nt(P, E)))
+            assert g.launches[0][:2] == ("moe.moe_group_tiles", (1,))
+            assert g.args[0][1:3] == [P, E] and g.args[0][7:] == [ts, ws["tiles"], ws["n_tiles"]], g.args[0]
+            assert g.launches[-1][:2] == ("moe.moe_combine_bf16", (T, (ex["H"] + 255) // 256))
+            assert g.args[-1][0] is ws["o"] and g.args[-1][3:] == [T, ex["H"], k, E], g.args[-1]
         return [name for name, _ in launches], g.launches
 
     assert plan(1)[0] == ["gate_up_direct", "down_combine_direct"]
-    assert plan(moe.WG_MIN_T - 1)[0][1].startswith("gate_up_mma_n")
+    assert plan(moe.WG_MIN_T - 1)[0][1] == "gate_up_mma_n1"                 # mean group 7.9 tokens
     for T, ntok in ((128, 32), (384, 32), (512, 64), (2048, 64)):   # mean group P / E = 8, 24, 32, 128 tokens
         names, launches = plan(T)
         assert names == ["group_tiles", "permute_x", f"gate_up_wg{ntok}", f"down_wg{ntok}", "combine"], names
@@ -5793,13 +5800,14 @@ class _LaunchLog:
     declared FLOPs): the prefill tile choice, checked without a device."""
 
     def __init__(self, capability=(9, 0)):
-        self.capability, self.launches = capability, []
+        self.capability, self.launches, self.args = capability, [], []
 
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
 
     def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False, flops=None):
         self.launches.append((f, tuple(grid), shared, flops))
+        self.args.append(list(args))
 
 
 def _fake_linear(fmt, n, k):

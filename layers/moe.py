@@ -294,10 +294,7 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
         raise ValueError(f"workspace tiles too small for T={T} (need {maxt} rows; build it with moe_workspace)")
     m = g.module("moe")
     shared = 256 + _GSTAGES * ts * 256           # row offsets + stages (> 48 KiB at nt=8: gpu.launch opts in)
-    return [("group_tiles", lambda: g.launch(
-                m.function("moe_group_tiles"), grid=(1,), block=(1024,),
-                args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles,
-                      ws["n_tiles"]])),
+    return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ts, tiles)),
             (f"gate_up_mma_n{nt}", lambda: g.launch(
                 m.function(f"moe_gate_up_mma_n{nt}"), grid=((I + 63) // 64, maxt), block=(128,),
                 args=[x, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"],
@@ -306,9 +303,19 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                 m.function(f"moe_down_mma_n{nt}"), grid=((H + 127) // 128, maxt), block=(128,),
                 args=[ws["u"], ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"],
                       H, I], shared=shared, flops=2 * P * I * H)),
-            ("combine", lambda: g.launch(
-                m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
-                args=[ws["o"], idx, out, T, H, k, E]))]
+            ("combine", lambda: _combine(g, ws, idx, out, T, H, k, E))]
+
+
+def _group_tiles(g, idx, P, E, ws, ts, tiles):
+    """moe_group_tiles: the pairs sorted by expert (ws perm / offsets / active) and cut into tiles of ts positions."""
+    g.launch(g.module("moe").function("moe_group_tiles"), grid=(1,), block=(1024,),
+             args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles, ws["n_tiles"]])
+
+
+def _combine(g, ws, idx, out, T, H, k, E):
+    """moe_combine_bf16: out[t] = the token's slots of ws["o"] summed in increasing expert index."""
+    g.launch(g.module("moe").function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
+             args=[ws["o"], idx, out, T, H, k, E])
 
 
 # wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_tiles (tiles of
@@ -366,12 +373,9 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
         raise ValueError(f"workspace too small for the wgmma path at T={T} (build it with moe_workspace)")
     if max(T * Hp, P * Ip) >= 2 ** 31:
         raise ValueError(f"moe: the wgmma path needs T*Hp and P*Ip < 2^31 (T={T}, k={k}, H={H}, I={I})")
-    m, mw = g.module("moe"), g.module("moe_sm90a")
+    mw = g.module("moe_sm90a")
     shared = _wg_shared(ntok, stages)
-    return [("group_tiles", lambda: g.launch(
-                m.function("moe_group_tiles"), grid=(1,), block=(1024,),
-                args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ntok, tiles,
-                      ws["n_tiles"]])),
+    return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles)),
             ("permute_x", lambda: g.launch(
                 mw.function("moe_permute_x"), grid=((Hp + 511) // 512, T), block=(256,), args=[x, xp, H, Hp],
                 nbytes=2 * T * (H + Hp))),
@@ -383,9 +387,7 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                 mw.function(f"moe_down_{kern}"), grid=((H + 127) // 128, maxt), block=(256,),
                 args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I],
                 shared=shared, flops=2 * P * I * H)),
-            ("combine", lambda: g.launch(
-                m.function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
-                args=[ws["o"], idx, out, T, H, k, E]))]
+            ("combine", lambda: _combine(g, ws, idx, out, T, H, k, E))]
 
 
 def moe_bytes(E_active, H, I, router_E=None):
