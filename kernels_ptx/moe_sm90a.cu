@@ -319,10 +319,9 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         }
 }
 
-// Kernels per tile width NTOK (= moe_group_tiles' TS): moe.cu's grouped signatures, with xp / up in the permuted
-// order. Requires H % 64 == 0 and I % 64 == 0 (layers/moe.py checks).
-// Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); 2 CTAs per SM (<= 128 registers). The
-// table in layers/moe.py (_WG_KERNELS) must match.
+// Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); moe.cu's grouped signatures, with xp /
+// up in the permuted order; 2 CTAs per SM (<= 128 registers). Requires H % 64 == 0 and I % 64 == 0. The table in
+// layers/moe.py (_WG_KERNELS) must match; it checks the shapes.
 #define GU_WG(NAME, NTOK, ST)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
         const bf16 *__restrict__ xp, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
