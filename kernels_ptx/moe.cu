@@ -609,8 +609,11 @@ __device__ __forceinline__ void down_grouped_body(
         }
 }
 
-// MINB: CTAs per SM the register budget must allow (3 = at most 168 registers for the n1/n2/n4 variants, as
-// before the per-super-unit partial accumulators; n8 keeps 2).
+// D: super units in each warp's weight ring; MINB: CTAs per SM the register budget must allow (3 = at most 168
+// registers for n2 / n4, 2 for n8). n1 (the decode batches) runs a 2-unit ring at 4 CTAs per SM (128 registers):
+// its kernels are bound by the NVFP4 decode's issue slots more than by loads in flight, and the 4th CTA gave
+// 148.0 -> 133.2 us (T = 16) and 217.7 -> 198.6 us (T = 64) for gate_up + down on the H200 (BENCHMARKS.md, 7th
+// session; D = 3 at 4 CTAs: 135.0 / 199.0; D = 4 at 4 CTAs spills: 194.8 / 281.3).
 #define GU_GROUPED(NAME, NT, D, MINB) \
 extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
     const bf16* __restrict__ x, const int* __restrict__ perm, const int4* __restrict__ tiles, \
@@ -619,7 +622,7 @@ extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
     bf16* __restrict__ u, int H, int I, int k) { \
     pdl_entry(); \
     gate_up_grouped_body<NT, D>(x, perm, tiles, n_tiles, gw, gs, uw, us, gsc, u, H, I, k); }
-GU_GROUPED(moe_gate_up_mma_n1, 1, 4, 3)
+GU_GROUPED(moe_gate_up_mma_n1, 1, 2, 4)
 GU_GROUPED(moe_gate_up_mma_n2, 2, 4, 3)
 GU_GROUPED(moe_gate_up_mma_n4, 4, 2, 3)
 GU_GROUPED(moe_gate_up_mma_n8, 8, 2, 2)
@@ -631,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(128, MINB) NAME( \
     const float* __restrict__ gsc, const float* __restrict__ weights, bf16* __restrict__ o, int H, int I) { \
     pdl_entry(); \
     down_grouped_body<NT, D>(u, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I); }
-DN_GROUPED(moe_down_mma_n1, 1, 4, 3)
+DN_GROUPED(moe_down_mma_n1, 1, 2, 4)
 DN_GROUPED(moe_down_mma_n2, 2, 4, 3)
 DN_GROUPED(moe_down_mma_n4, 4, 2, 3)
 DN_GROUPED(moe_down_mma_n8, 8, 2, 2)
