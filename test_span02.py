@@ -3940,6 +3940,22 @@ def test_gpu_attention_graph_capture(g):
     sc.close()
 
 
+def test_attention_split_grid():
+    """The split (decode) grid's chunk-slot columns (no device): a single row keeps one chunk per CTA up to the
+    17 slots of a 1024-key window; batches that fill the GPU by rows x kv heads get fewer, longer CTAs, down to
+    2 per (row, head), never fewer than about ATTN_SPLIT_CTAS CTAs in all unless the cap binds, never more
+    columns than slots."""
+    assert A.split_z(1, 8, 17) == 17 and A.split_z(1, 2, 129) == 17
+    assert A.split_z(16, 8, 17) == 4 and A.split_z(64, 8, 17) == 2 and A.split_z(64, 2, 129) == 4
+    assert A.split_z(1, 1, 2) == 2 and A.split_z(64, 8, 1) == 1
+    for n in range(1, 65):
+        for Hkv in (1, 2, 8):
+            for slots in (1, 2, 5, 17, 129):
+                z = A.split_z(n, Hkv, slots)
+                assert 1 <= z <= min(slots, A.ATTN_SPLIT_Z)
+                assert z == min(slots, A.ATTN_SPLIT_Z, 2) or n * Hkv * z >= A.ATTN_SPLIT_CTAS or z == min(slots, 17)
+
+
 @needs_gpu
 @pytest.mark.parametrize("geo", ["sliding", "full"])
 def test_gpu_attention_decode_timing(g, geo):

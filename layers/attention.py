@@ -83,8 +83,19 @@ ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attent
 ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
 ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
 ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
-ATTN_SPLIT_Z = 17                  # chunk-slot columns of the split grid (CTA z takes slots z, z + 17, ...):
+ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
+ATTN_SPLIT_CTAS = 512              # split grids aim at ~this many CTAs (2 per SM fit, 2 waves): split_z
+
+
+def split_z(n, Hkv, slots):
+    """Chunk-slot columns Z of a split launch over n rows (grid (n, Hkv, Z)). Each CTA walks its slots with the
+    next chunk's K / V in flight, so when n * Hkv alone fills the GPU fewer, longer CTAs stream better than one
+    chunk each (H200, 1k context, graph-replayed: sliding B = 64 205.6 us at Z = 17 -> 179.1 at Z = 2; B = 16
+    57.9 -> 52.1 at Z = 4; full B = 64 129.2 -> 117.9 at Z = 4; BENCHMARKS.md, 7th session), while a single row
+    keeps Z = 17 (136 CTAs on a sliding layer). Speed only: the partials and their fold are the same."""
+    want = -(-ATTN_SPLIT_CTAS // max(1, n * Hkv))
+    return max(1, min(slots, ATTN_SPLIT_Z, max(2, want)))
 
 
 def _need(a, shape, dtype, name):
@@ -203,7 +214,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN.
     Two launch shapes with the same per-(row, chunk) arithmetic, picked by T only (every grid depends on T and
     max_keys only, never on the data: CUDA-graph safe):
-      T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, min(slots, ATTN_SPLIT_Z)), block D/2,
+      T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, split_z(n, Hkv, slots)), block D/2,
         one CTA per (row, kv head, chunk slot column) writing partials to `work`, then attn_combine_bf16
         grid (n, Hq), block D/4. work: float32 scratch (attention_work); None allocates (and frees) one of at
         most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
@@ -254,11 +265,10 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     import gpu
     ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
     acc = gpu.ptr(work.ptr + 16 * ((group * Hq * slots * 2 + 3) // 4))  # (group, Hq, slots, D), 16 B aligned
-    zc = min(slots, ATTN_SPLIT_Z)
     try:
         for row0 in range(0, T, group):
             n = min(group, T - row0)
-            g.launch(fs, grid=(n, Hkv, zc), block=(D // 2, 1, 1),
+            g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots)), block=(D // 2, 1, 1),
                      args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
