@@ -183,7 +183,10 @@ __device__ __forceinline__ void key_range(int r, const int* __restrict__ rows_se
 // softmax and P.V of c, V(c+1) during the scores of c+1.
 //   split: MT = 1, one position (its G heads, padded to 16 rows); grid (rows, Hkv, Z): CTA z handles the chunk
 //          slots z, z + Z, ... of its row (Z <= slots, from the launch shape only) and stores each partial.
-//   fused: MT = 2, RP = 32 / G positions (consecutive launch rows) per tile; grid (ceil(rows / RP), Hkv). The
+//   fused: MT = FMT(D) (4 for D = 256, else 2), RP = 16 MT / G positions (consecutive launch rows) per tile;
+//          grid (ceil(rows / RP), Hkv). (MT = 4 shares each K / V chunk among twice the rows: the sliding layers'
+//          2,048-token prefill 284.9 -> 254.8 us on the H200, BENCHMARKS.md 7th session; D = 512 cannot: its
+//          1,024 threads would need <= 64 registers; D <= 128 was not measured.) The
 //          tile's rows may belong to several sequences: one pass per distinct sequence (rows of other
 //          sequences are masked in that pass), chunks in increasing order inside a pass; each row is folded
 //          only in its own pass, only for chunks that hold one of its keys.
@@ -262,8 +265,8 @@ template <int D> struct AttnCfg {
 };
 // Dynamic smem of attn_tile<D, MT>: K, V chunks; Q tile; P tile; row max / sum per (m-tile, warp, row);
 // per-position lo, hi, seq. layers/attention.py: attention_smem() computes the same.
-//   D=64: 23,360 / 28,288 B; D=128: 41,920 / 49,024 B; D=256: 79,040 / 90,496 B; D=512: 153,280 / 173,440 B
-//   (split MT = 1 / fused MT = 2).
+//   D=64: 23,360 / 28,288 B; D=128: 41,920 / 49,024 B; D=256: 79,040 / 90,496 / 113,408 B; D=512: 153,280 /
+//   173,440 B (split MT = 1 / fused MT = 2 / fused MT = 4).
 
 // attn_tile<D, MT, SPLIT>: see the block comment above. Arguments:
 // q (T, Hq, D) bf16 (roped); pools (blocks, 16, Hkv, D) bf16; block_tables int32 (S, max_blocks); spans see
@@ -573,21 +576,21 @@ __device__ __forceinline__ void attn_tile(
         nrows, Hq, Hkv, max_slots, part_ml, part_acc, out
 
 // attn_split_bf16_d{D}: grid (nrows, Hkv, Z), block D/2, dynamic smem attention_smem(D, 1); out unused.
-// attn_fused_bf16_d{D}: grid (ceil(nrows / (32 / G)), Hkv, 1), block D, dynamic smem attention_smem(D, 2);
-//                       part_ml / part_acc unused.
-#define ATTN_KERNELS(D)                                                                                       \
+// attn_fused_bf16_d{D}: grid (ceil(nrows / (16 FMT / G)), Hkv, 1), block FMT D / 2, dynamic smem
+//                       attention_smem(D, FMT); part_ml / part_acc unused.
+#define ATTN_KERNELS(D, FMT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(D / 2) attn_split_bf16_d##D(ATTN_ARGS) {                   \
         pdl_entry();                                                                                         \
         attn_tile<D, 1, true>(ATTN_PASS);                                                                    \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(D) attn_fused_bf16_d##D(ATTN_ARGS) {                       \
+    extern "C" __global__ void __launch_bounds__(FMT * D / 2) attn_fused_bf16_d##D(ATTN_ARGS) {             \
         pdl_entry();                                                                                         \
-        attn_tile<D, 2, false>(ATTN_PASS);                                                                   \
+        attn_tile<D, FMT, false>(ATTN_PASS);                                                                 \
     }
-ATTN_KERNELS(64)
-ATTN_KERNELS(128)
-ATTN_KERNELS(256)
-ATTN_KERNELS(512)
+ATTN_KERNELS(64, 2)
+ATTN_KERNELS(128, 2)
+ATTN_KERNELS(256, 4)
+ATTN_KERNELS(512, 2)
 
 // attn_combine_bf16: fold the chunk partials of each (row, head) in increasing slot order (fold_weights /
 // fold_acc, as the fused kernel) and normalise: out = bf16(A / L). grid (nrows, Hq), block D/4: thread t owns

@@ -83,6 +83,7 @@ ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attent
 ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
 ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
 ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
+ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA by D (FMT in attention.cu)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
 ATTN_SPLIT_CTAS = 512              # split grids aim at ~this many CTAs (2 per SM fit, 2 waves): split_z
@@ -194,8 +195,8 @@ def attention_work(g, rows, Hq, D, max_keys):
 
 
 def attention_smem(D, MT):
-    """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT 2) for head_dim D (attn_tile in attention.cu):
-    K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row max / sum,
+    """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
+    attention.cu): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row max / sum,
     per-position lo / hi / seq."""
     return ((2 * ATTN_CHUNK + 16 * MT) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
@@ -218,8 +219,9 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         one CTA per (row, kv head, chunk slot column) writing partials to `work`, then attn_combine_bf16
         grid (n, Hq), block D/4. work: float32 scratch (attention_work); None allocates (and frees) one of at
         most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
-      T > ATTN_SPLIT_ROWS (prefill): attn_fused_bf16_d{D} grid (ceil(T / (32 // G)), Hkv), block D: a CTA
-        per (32 // G positions, kv head) folds the chunks in registers; no scratch (work unused)."""
+      T > ATTN_SPLIT_ROWS (prefill): attn_fused_bf16_d{D} grid (ceil(T / (16 mt // G)), Hkv), block mt D / 2
+        (mt = ATTN_FUSED_MT[D]): a CTA per (16 mt // G positions, kv head) folds the chunks in registers; no
+        scratch (work unused)."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -250,9 +252,11 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
               int(bool(sliding))]
     if T > ATTN_SPLIT_ROWS:
-        rp = 32 // G                                     # positions per fused tile (2 m16 tiles of rows)
-        g.launch(mod.function(f"attn_fused_bf16_d{D}"), grid=((T + rp - 1) // rp, Hkv, 1), block=(D, 1, 1),
-                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, 2))
+        mt = ATTN_FUSED_MT[D]
+        rp = 16 * mt // G                                # positions per fused tile (mt m16 tiles of rows)
+        g.launch(mod.function(f"attn_fused_bf16_d{D}"), grid=((T + rp - 1) // rp, Hkv, 1),
+                 block=(mt * D // 2, 1, 1), args=common + [0, T, Hq, Hkv, slots, None, None, out],
+                 shared=attention_smem(D, mt))
         return
     own = work is None
     if own:
