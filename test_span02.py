@@ -5668,7 +5668,7 @@ def test_moe_path_choice():
             ts = 8 * (nt or (moe._pick_wg_nt(P, E) if "permute_x" in dict(launches) else moe._pick_nt(P, E)))
             assert g.launches[0][:2] == ("moe.moe_group_tiles", (1,))
             assert g.args[0][1:3] == [P, E] and g.args[0][7:] == [ts, ws["tiles"], ws["n_tiles"]], g.args[0]
-            assert g.launches[-1][:2] == ("moe.moe_combine_bf16", (T, (ex["H"] + 255) // 256))
+            assert g.launches[-1][:2] == ("moe.moe_combine_bf16", (T, (ex["H"] + 1023) // 1024))   # 8 columns a thread
             assert g.args[-1][0] is ws["o"] and g.args[-1][3:] == [T, ex["H"], k, E], g.args[-1]
         return [name for name, _ in launches], g.launches
 

@@ -174,8 +174,12 @@ __device__ __forceinline__ int slots_by_expert(const int* __restrict__ idx_t, in
 // ---------------------------------------------------------------------------------------------------
 // combine: out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index (the numpy reference's
 // order: experts visited in index order), of f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert
-// is outside [0, E) are skipped. grid (T, ceil(H/256)), block 256; k <= 16.
-extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
+// is outside [0, E) are skipped. grid (T, ceil(H / (8 COMB_THREADS))), block COMB_THREADS; k <= 16. Thread i owns
+// columns 8i .. 8i + 7 of its CTA's 8 COMB_THREADS: it requests every slot's 8 columns at once (16-byte loads when
+// H % 8 == 0, so the rows are 16-byte aligned; element loads otherwise), then adds them column by column in slot
+// order (the same adds as one column per thread: a memory-bound kernel with all of a token's loads in flight).
+#define COMB_THREADS 128
+extern "C" __global__ void __launch_bounds__(COMB_THREADS) moe_combine_bf16(
     const bf16* __restrict__ o,          // (P, H)
     const int* __restrict__ idx,         // (T, k)
     bf16* __restrict__ out,              // (T, H)
@@ -187,12 +191,46 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     const int t = blockIdx.x;
     if (threadIdx.x == 0) nvalid = slots_by_expert(idx + (size_t)t * k, k, E, order);
     __syncthreads();
-    const int n = blockIdx.y * blockDim.x + threadIdx.x;
-    if (n >= H) return;
-    float acc = 0.f;
-    for (int r = 0; r < nvalid; ++r)
-        acc += __bfloat162float(o[((size_t)t * k + order[r]) * H + n]);
-    out[(size_t)t * H + n] = __float2bfloat16_rn(acc);
+    const int n0 = 8 * (blockIdx.y * COMB_THREADS + threadIdx.x), nv = nvalid;
+    if (n0 >= H) return;
+    const bool vec = (H & 7) == 0;                               // then n0 + 8 <= H
+    uint4 v[MAX_K];
+    #pragma unroll
+    for (int r = 0; r < MAX_K; ++r) {
+        v[r] = make_uint4(0, 0, 0, 0);
+        if (r < nv) {
+            const bf16* row = o + ((size_t)t * k + order[r]) * H + n0;
+            if (vec) {
+                v[r] = __ldg(reinterpret_cast<const uint4*>(row));
+            } else {
+                unsigned short* h = reinterpret_cast<unsigned short*>(&v[r]);
+                for (int c = 0; c < 8 && n0 + c < H; ++c) h[c] = __bfloat16_as_ushort(row[c]);
+            }
+        }
+    }
+    float acc[8];
+    #pragma unroll
+    for (int c = 0; c < 8; ++c) acc[c] = 0.f;
+    #pragma unroll
+    for (int r = 0; r < MAX_K; ++r) {
+        if (r < nv) {
+            const uint32_t w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+            #pragma unroll
+            for (int c = 0; c < 8; ++c)
+                acc[c] = __fadd_rn(acc[c], __uint_as_float((c & 1) ? (w[c >> 1] & 0xffff0000u) : (w[c >> 1] << 16)));
+        }
+    }
+    bf16* dst = out + (size_t)t * H + n0;
+    if (vec) {
+        uint32_t w[4];
+        #pragma unroll
+        for (int c = 0; c < 4; ++c)
+            w[c] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * c])) |
+                   ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * c + 1])) << 16);
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {
+        for (int c = 0; c < 8 && n0 + c < H; ++c) dst[c] = __float2bfloat16_rn(acc[c]);
+    }
 }
 
 // B source 1: whole token rows resident in shared memory (row stride rs bytes), rows >= nrows and columns

@@ -312,10 +312,13 @@ def _group_tiles(g, idx, P, E, ws, ts, tiles):
              args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles, ws["n_tiles"]])
 
 
+_COMB_THREADS = 128  # COMB_THREADS in moe.cu: 8 columns a thread
+
+
 def _combine(g, ws, idx, out, T, H, k, E):
     """moe_combine_bf16: out[t] = the token's slots of ws["o"] summed in increasing expert index."""
-    g.launch(g.module("moe").function("moe_combine_bf16"), grid=(T, (H + 255) // 256), block=(256,),
-             args=[ws["o"], idx, out, T, H, k, E])
+    g.launch(g.module("moe").function("moe_combine_bf16"), grid=(T, (H + 8 * _COMB_THREADS - 1) // (8 * _COMB_THREADS)),
+             block=(_COMB_THREADS,), args=[ws["o"], idx, out, T, H, k, E])
 
 
 # wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_tiles (tiles of
