@@ -45,21 +45,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ---------------------------------------------------------------------------------------------------------
 // qk_norm_rope_bf16: per (row t, head) RMSNorm over D (q: q_norm weight, k: k_norm weight, v: no weight),
 // then NeoX RoPE on q and k: pair (i, i + D/2) rotated by angle float(pos[t]) * inv_freq[i] (fp32 angle).
-// Heads hy = 0 .. Hq + 2 Hkv - 1: hy < Hq -> q head; < Hq + Hkv -> k head; else v head. grid (T, ceil((Hq +
-// 2 Hkv) / hpc)): a CTA takes heads hpc y .. hpc y + hpc - 1 of row t; block D/2 threads (D % 64 == 0, D <= 1024:
-// whole warps, D = 64 is one warp), thread i owns elements i and i + D/2 of every head. Inputs are read with row
-// strides (elements) so a fused QKV projection output can be read in place; for k=v layers pass v_in = the raw
-// k (V = v_norm(raw k)).
+// grid (T, Hq + 2*Hkv): blockIdx.y < Hq -> q head; < Hq+Hkv -> k head; else v head. block D/2 threads
+// (D % 64 == 0: whole warps, D = 64 is one warp), thread i owns elements i and i + D/2. Inputs are read
+// with row strides (elements) so a fused QKV projection output can be read in place; for k=v layers pass
+// v_in = the raw k (V = v_norm(raw k)).
 // Outputs are dense: q_out (T, Hq, D), k_out (T, Hkv, D), v_out (T, Hkv, D) (k_out / v_out may be null).
 // Fused KV write (k_pool non-null): the k and v rows also go straight into the paged pools (blocks, 16, Hkv, D)
 // at pool row block_tables[rows_seq[t] * max_blocks + pos / 16] * 16 + pos % 16 (pos = positions[t]), the
 // same bytes kv_write_bf16 would store.
-// A head's arithmetic does not depend on hpc: its sum of squares is the per-thread fma, the warp's xor tree, then
-// the warps in order 0..; the angle's sincos is the same value for every head of the row (computed once).
-// hpc only sets how many heads share one CTA's fixed costs (the row's position, angle and pool slot, one round
-// trip for QK_HB heads' inputs): layers/attention.py qk_heads_per_cta (1 for single rows, at most QK_HB).
 // ---------------------------------------------------------------------------------------------------------
-#define QK_HB 8                                      // heads whose inputs are requested together
 extern "C" __global__ void qk_norm_rope_bf16(
     const __nv_bfloat16* __restrict__ q_in, int q_stride,
     const __nv_bfloat16* __restrict__ k_in, int k_stride,
@@ -69,88 +63,64 @@ extern "C" __global__ void qk_norm_rope_bf16(
     int Hq, int Hkv, int D, float eps,
     __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_out, __nv_bfloat16* __restrict__ v_out,
     __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
-    const int* __restrict__ rows_seq, const int* __restrict__ block_tables, int max_blocks, int hpc) {
+    const int* __restrict__ rows_seq, const int* __restrict__ block_tables, int max_blocks) {
     pdl_entry();
-    __shared__ float red[QK_HB][32];
-    const int t = blockIdx.x, i = threadIdx.x, half = D >> 1, nw = (half + 31) >> 5;
-    const int h0 = blockIdx.y * hpc, h1 = min(Hq + 2 * Hkv, h0 + hpc);
-    const int p = positions[t];
-    float sn = 0.f, cs = 1.f;
-    if (h0 < Hq + Hkv) {                             // a q or k head: the pair's rotation
-        const float ang = __fmul_rn((float)p, inv_freq[i]);
-        sincosf(ang, &sn, &cs);                      // full-precision library sincos (not __sinf)
+    __shared__ float red[32];
+    const int t = blockIdx.x, hy = blockIdx.y, i = threadIdx.x, half = D >> 1;
+    const __nv_bfloat16* src;
+    const __nv_bfloat16* w;
+    __nv_bfloat16* dst;
+    __nv_bfloat16* pool = nullptr;                   // k or v pool when the KV write is fused
+    int kh = 0;                                      // kv head
+    bool rope;
+    if (hy < Hq) {                                   // q head hy
+        src = q_in + (size_t)t * q_stride + (size_t)hy * D;
+        dst = q_out + ((size_t)t * Hq + hy) * D;
+        w = q_w; rope = true;
+    } else if (hy < Hq + Hkv) {                      // k head hy - Hq
+        const int h = hy - Hq;
+        src = k_in + (size_t)t * k_stride + (size_t)h * D;
+        dst = k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr;
+        w = k_w; rope = true; pool = k_pool; kh = h;
+    } else {                                         // v head hy - Hq - Hkv: no weight, no rope
+        const int h = hy - Hq - Hkv;
+        src = v_in + (size_t)t * v_stride + (size_t)h * D;
+        dst = v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr;
+        w = nullptr; rope = false; pool = v_pool; kh = h;
     }
-    size_t slot = 0;
-    if (k_pool && h1 > Hq)
-        slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
-    for (int hb = h0; hb < h1; hb += QK_HB) {
-        float xa[QK_HB], xb[QK_HB];
-#pragma unroll
-        for (int j = 0; j < QK_HB; j++) {            // the batch's inputs, all requested before any is used
-            const int hy = hb + j;
-            xa[j] = xb[j] = 0.f;
-            if (hy < h1) {
-                const __nv_bfloat16* src = hy < Hq         ? q_in + (size_t)t * q_stride + (size_t)hy * D
-                                           : hy < Hq + Hkv ? k_in + (size_t)t * k_stride + (size_t)(hy - Hq) * D
-                                                           : v_in + (size_t)t * v_stride + (size_t)(hy - Hq - Hkv) * D;
-                xa[j] = __bfloat162float(src[i]);
-                xb[j] = __bfloat162float(src[i + half]);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < QK_HB; j++) {
-            if (hb + j < h1) {                       // CTA-uniform
-                float ss = __fmaf_rn(xb[j], xb[j], __fmul_rn(xa[j], xa[j]));
-                ss = warp_sum(ss);
-                if ((i & 31) == 0) red[j][i >> 5] = ss;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int j = 0; j < QK_HB; j++) {
-            const int hy = hb + j;
-            if (hy >= h1) break;
-            const __nv_bfloat16* w = hy < Hq ? q_w : hy < Hq + Hkv ? k_w : nullptr;
-            const bool rope = hy < Hq + Hkv;
-            __nv_bfloat16* dst;
-            __nv_bfloat16* pool = nullptr;           // k or v pool when the KV write is fused
-            int kh = 0;                              // kv head
-            if (hy < Hq) {
-                dst = q_out + ((size_t)t * Hq + hy) * D;
-            } else if (hy < Hq + Hkv) {
-                kh = hy - Hq;
-                dst = k_out ? k_out + ((size_t)t * Hkv + kh) * D : nullptr;
-                pool = k_pool;
-            } else {
-                kh = hy - Hq - Hkv;
-                dst = v_out ? v_out + ((size_t)t * Hkv + kh) * D : nullptr;
-                pool = v_pool;
-            }
-            float tot = 0.f;
-            for (int k = 0; k < nw; k++) tot = __fadd_rn(tot, red[j][k]);   // same order in every thread
-            const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
-            float ya = __fmul_rn(xa[j], r), yb = __fmul_rn(xb[j], r);
-            if (w) {
-                ya = __fmul_rn(ya, __bfloat162float(w[i]));
-                yb = __fmul_rn(yb, __bfloat162float(w[i + half]));
-            }
-            if (rope) {
-                const float oa = __fsub_rn(__fmul_rn(ya, cs), __fmul_rn(yb, sn));
-                const float ob = __fadd_rn(__fmul_rn(yb, cs), __fmul_rn(ya, sn));
-                ya = oa; yb = ob;
-            }
-            const __nv_bfloat16 ba = __float2bfloat16_rn(ya), bb = __float2bfloat16_rn(yb);
-            if (dst) {
-                dst[i] = ba;
-                dst[i + half] = bb;
-            }
-            if (pool && k_pool) {
-                __nv_bfloat16* pd = pool + (slot * Hkv + kh) * D;
-                pd[i] = ba;
-                pd[i + half] = bb;
-            }
-        }
-        __syncthreads();                             // red is refilled by the next batch
+    const float xa = __bfloat162float(src[i]), xb = __bfloat162float(src[i + half]);
+    float ss = __fmaf_rn(xb, xb, __fmul_rn(xa, xa));
+    ss = warp_sum(ss);
+    const int nw = (half + 31) >> 5;
+    if ((i & 31) == 0) red[i >> 5] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int k = 0; k < nw; k++) tot = __fadd_rn(tot, red[k]);       // same order in every thread
+    const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
+    float ya = __fmul_rn(xa, r), yb = __fmul_rn(xb, r);
+    if (w) {
+        ya = __fmul_rn(ya, __bfloat162float(w[i]));
+        yb = __fmul_rn(yb, __bfloat162float(w[i + half]));
+    }
+    if (rope) {
+        const float ang = __fmul_rn((float)positions[t], inv_freq[i]);
+        float s, c;
+        sincosf(ang, &s, &c);                        // full-precision library sincos (not __sinf)
+        const float oa = __fsub_rn(__fmul_rn(ya, c), __fmul_rn(yb, s));
+        const float ob = __fadd_rn(__fmul_rn(yb, c), __fmul_rn(ya, s));
+        ya = oa; yb = ob;
+    }
+    const __nv_bfloat16 ba = __float2bfloat16_rn(ya), bb = __float2bfloat16_rn(yb);
+    if (dst) {
+        dst[i] = ba;
+        dst[i + half] = bb;
+    }
+    if (pool && k_pool) {
+        const int p = positions[t];
+        const size_t slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
+        __nv_bfloat16* pd = pool + (slot * Hkv + kh) * D;
+        pd[i] = ba;
+        pd[i + half] = bb;
     }
 }
 

@@ -119,31 +119,17 @@ def _row_src(g, a, T, heads, D, name):
     return a, heads * D
 
 
-QK_CTAS, QK_HB = 512, 8           # qk_heads_per_cta: ~CTAs to aim at; heads whose inputs one CTA requests at once
-
-
-def qk_heads_per_cta(T, heads):
-    """Heads per CTA of qk_norm_rope_bf16 for T rows of `heads` heads (q + k + v): one per CTA while T * heads
-    is at most ~QK_CTAS (single rows: the heads in parallel), then more, up to QK_HB (one batch of requests), so
-    that a CTA's fixed costs (position, angle, pool slot, a round trip) serve several heads. H200 (BENCHMARKS.md,
-    7th session; sliding / full layer, us at 1 / 4 / 8 / all heads per CTA): T = 2048 177 / 119 / 112 / 128 and
-    277 / 181 / 169 / 165; T = 512 39 / 26 / 26 / 26; T = 64 7.0 / 4.7 / 7.3 / 25; T = 1 2.4 / 4.2 / 6.8 / 23.
-    Speed only: a head's bytes do not depend on it."""
-    return max(1, min(heads, QK_HB, T * heads // QK_CTAS))
-
-
 def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, eps, q_out, k_out, v_out,
-                 kv=None, hpc=None):
+                 kv=None):
     """q = rope(q_norm(q_in)), k = rope(k_norm(k_in)), v = v_norm(v_in) (no weight, no rope) in one launch.
     q_out (T, Hq, D) bf16; k_out / v_out (T, Hkv, D) bf16 or None (then kv is needed); inputs see `_row_src`
     (v_in None: k=v layer, V = v_norm(raw k)); q_norm_w / k_norm_w (D,) bf16; inv_freq (D/2,) float32
     (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
-    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, ceil((Hq + 2 Hkv) / hpc)),
-    block D/2; hpc (heads per CTA) None: qk_heads_per_cta (the tests force others: the bytes are the same)."""
+    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2."""
     T, Hq, D = q_out.shape
     Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
-    if D % 64 or not 64 <= D <= 1024:                   # block D/2 threads: whole warps (D = 64: one warp)
-        raise ValueError(f"head_dim {D}: a multiple of 64 up to 1024")
+    if D % 64 or not 64 <= D <= 2048:                   # block D/2 threads: whole warps (D = 64: one warp)
+        raise ValueError(f"head_dim {D}: a multiple of 64 up to 2048")
     if k_out is None and kv is None:
         raise ValueError("k_out / v_out None needs kv (the pools to write)")
     _need(q_out, (T, Hq, D), "bf16", "q_out")
@@ -171,11 +157,9 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     if T == 0:
         return
     f = g.module("attention").function("qk_norm_rope_bf16")
-    heads = Hq + 2 * Hkv
-    hpc = qk_heads_per_cta(T, heads) if hpc is None else hpc
-    g.launch(f, grid=(T, -(-heads // hpc), 1), block=(D // 2, 1, 1),
+    g.launch(f, grid=(T, Hq + 2 * Hkv, 1), block=(D // 2, 1, 1),
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
-                   q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb, hpc])
+                   q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
 
 
 def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
