@@ -3948,12 +3948,14 @@ def test_attention_split_grid():
     assert A.split_z(1, 8, 17) == 17 and A.split_z(1, 2, 129) == 17
     assert A.split_z(16, 8, 17) == 4 and A.split_z(64, 8, 17) == 2 and A.split_z(64, 2, 129) == 4
     assert A.split_z(1, 1, 2) == 2 and A.split_z(64, 8, 1) == 1
-    for n in range(1, 65):
-        for Hkv in (1, 2, 8):
-            for slots in (1, 2, 5, 17, 129):
-                z = A.split_z(n, Hkv, slots)
+    for Hkv in (1, 2, 8):
+        for slots in (1, 2, 5, 17, 129):
+            zs = [A.split_z(n, Hkv, slots) for n in range(1, 65)]
+            assert zs == sorted(zs, reverse=True)                         # more rows, never more columns
+            for n, z in enumerate(zs, 1):
                 assert 1 <= z <= min(slots, A.ATTN_SPLIT_Z)
-                assert z == min(slots, A.ATTN_SPLIT_Z, 2) or n * Hkv * z >= A.ATTN_SPLIT_CTAS or z == min(slots, 17)
+                assert (z == min(slots, 2) or n * Hkv * z >= A.ATTN_SPLIT_CTAS
+                        or z == min(slots, A.ATTN_SPLIT_Z)), (n, Hkv, slots, z)
 
 
 @needs_gpu
