@@ -319,6 +319,36 @@ def test_modelopt_nvfp4_decode(scalar_shape):
     np.testing.assert_allclose(ck.InMemoryCheckpoint(ct_t).linear('m'), ref.numpy(), rtol=3e-7)
 
 
+def test_fp4_device_words():
+    """The device word layout of the packed NVFP4 experts (kernels_ptx/moe_common.cuh, layers/moe.py FP4_PLACES):
+    the repack moves each of a word's 32 bits to a distinct place (a permutation, so no code is lost), and the
+    kernels' shift-and-mask steps, written out here in numpy, give for every column the bf16 bit pattern of its e2m1
+    value times 2^-126, signed zeros included: on random words and on every code at every column."""
+    rng = np.random.default_rng(21)
+    ones = (np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.uint8)
+    moved = moe.fp4_device_words(ones).view(np.uint32)
+    assert all(bin(int(v)).count('1') == 1 for v in moved)
+    assert sorted(int(v).bit_length() - 1 for v in moved) == list(range(32))
+    codes = np.arange(16, dtype=np.uint32)
+    every = np.stack([codes << np.uint32(4 * i) for i in range(8)]).reshape(-1)        # one code at one column
+    words = np.concatenate([every, rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    dev = moe.fp4_device_words(words.view(np.uint8)).view(np.uint32)
+    M = np.uint32(0x81C081C0)
+    pairs = [dev & M, (dev << np.uint32(3)) & M, (dev << np.uint32(6)) & M,
+             ((dev >> np.uint32(4)) & np.uint32(0x00C000C0)) | ((dev >> np.uint32(5)) & np.uint32(0x01000100))
+             | ((dev << np.uint32(1)) & np.uint32(0x80008000))]
+    for p, R in enumerate(pairs):
+        for half in (0, 1):
+            col = 2 * p + half
+            bits = ((R >> np.uint32(16 * half)) & np.uint32(0xFFFF)).astype(np.uint16)
+            got = bits.view(BF16).astype(np.float64) * 2.0 ** 126
+            code = ((words >> np.uint32(4 * col)) & np.uint32(15)).astype(np.uint8)
+            want = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)[code]
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.signbit(got), code >= 8)
+            assert not (bits & np.uint16(0x7E3F)).any()           # exponent above e1 e0, mantissa below m: zero
+
+
 @pytest.mark.parametrize('case', ['ct_tensor', 'modelopt_tensor', 'ct_channel', 'modelopt_channel', 'ct_block',
                                   'modelopt_block', 'deepseek_block'])
 def test_fp8_decode(case):
@@ -4386,6 +4416,18 @@ def real(g):
     ck = make_experts(MOE_REAL["E"], MOE_REAL["H"], MOE_REAL["I"], seed=7)
     ex = moe.upload_experts(g, ck, PREFIX, MOE_REAL["E"], MOE_REAL["H"], MOE_REAL["I"])
     return ck, ex, Deq(ck)
+
+
+@needs_gpu
+def test_gpu_fp4_repack(g):
+    """moe_fp4_repack (run on every packed expert array at upload) gives fp4_device_words' bytes, on random bytes of
+    an odd number of words (the grid-stride tail) and of more words than one launch's threads."""
+    rng = np.random.default_rng(31)
+    for n in (1, 777, 3 * 8192 * 256 + 5):
+        raw = rng.integers(0, 256, 4 * n, dtype=np.uint8)
+        d = g.upload(raw)
+        moe.fp4_repack_gpu(g, d)
+        assert g.download(d).tobytes() == moe.fp4_device_words(raw).tobytes()
 
 
 POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used; the other 88 get no tokens

@@ -155,6 +155,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_tiles(
     group_body(idx, P, E, offsets, perm, active, n_active, TS, tiles, n_tiles);
 }
 
+// The packed NVFP4 experts into the device word layout (moe_common.cuh), in place, once at upload: w holds n 32-bit
+// words (columns 8j .. 8j+7 each; K % 16 == 0 keeps a word inside its row). Grid-stride; not idempotent.
+extern "C" __global__ void __launch_bounds__(256) moe_fp4_repack(uint32_t* __restrict__ w, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) w[i] = fp4_device_word(w[i]);
+}
+
 // The token's slots in increasing expert index (the reference's combine order; k is tiny, experts of one token
 // are distinct): order[0 .. n-1] = slot numbers, n returned; slots whose expert is outside [0, E) are left out.
 __device__ __forceinline__ int slots_by_expert(const int* __restrict__ idx_t, int k, int E, int* order) {

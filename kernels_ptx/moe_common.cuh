@@ -51,10 +51,19 @@ __device__ __forceinline__ float gate_up_out(float accg, float accu, const float
 //   D (16x8):       d0, d1 = W row g, tokens 2q, 2q+1;  d2, d3 = W row g+8, tokens 2q, 2q+1.
 //   Columns >= K (K % 16 == 0, the last super unit may be partial) are zero in both A and B; every path runs
 //   the same ceil(K/128)*8 steps.
-// NVFP4 -> bf16 in registers, exact: e2m1 magnitude -> bf16 via two PRMT byte tables (hi bytes 00 3F 3F 3F
-// 40 40 40 40, lo bytes 00 00 80 C0 00 40 80 C0 for 0, .5, 1, 1.5, 2, 3, 4, 6), sign bit -> bit 15 by PRMT,
-// then one mul.rn.bf16x2 by the block scale (e4m3 -> f16 by cvt (exact) -> f32 -> bf16 (exact)); q*s has
-// <= 6 significant bits and lies in [2^-10, 2688]: exact in bf16 (checkpoint.md section 1). No subnormals.
+// NVFP4 -> bf16 in registers, exact, from the DEVICE WORD LAYOUT (moe.cu moe_fp4_repack rewrites every packed
+// 32-bit word once, at upload; layers/moe.py fp4_device_words is its numpy twin): the word of columns 8j .. 8j+7
+// holds column pair p (columns 8j+2p, 8j+2p+1) with the even column in the low 16 bits and the odd one at the same
+// places of the high 16 bits; e2m1 code bits (sign, e1, e0, m) at
+//     p = 0: 15, 8, 7, 6     p = 1: 12, 5, 4, 3     p = 2: 9, 2, 1, 0     p = 3: 14, 13, 11, 10
+// so that pair p's bf16x2 bit pattern R_p (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22, the rest zero) is
+// one AND (p = 0), a shift and an AND (p = 1, 2) or three of each (p = 3) away. As bf16, R_p = q * 2^-126 exactly
+// (exponent field e1 e0, mantissa m000000; codes 0 and 0.5 are subnormal), so q = R_p * 2^126 (mul.rn.bf16x2 keeps
+// subnormal inputs; a power of two: exact), then one mul.rn.bf16x2 by the block scale (e4m3 -> f16 by cvt (exact)
+// -> f32 -> bf16 (exact)); q*s has <= 6 significant bits and lies in [2^-10, 2688]: exact in bf16 (checkpoint.md
+// section 1). Signed zeros stay signed. 8 integer-pipe and 11 fma-pipe instructions per 8 weights, against 15 and
+// 4 of the byte-table decode this replaced (the integer pipe issues at half rate; the experts' decode-bound
+// kernels were throttled on it: BENCHMARKS.md, eighth session).
 // ===================================================================================================
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -81,20 +90,31 @@ __device__ __forceinline__ void scales_bf16x2(uint32_t s2, uint32_t& S0, uint32_
     S1 = *reinterpret_cast<uint32_t*>(&b1);
 }
 
-// 8 e2m1 codes (nibble i = column +i) times the bf16x2 scale S -> 4 bf16x2: (+0,+1) (+2,+3) (+4,+5) (+6,+7).
-// (Verified against ml_dtypes for random words on the host, signed zeros included.)
+// The 8 e2m1 codes of one device-layout word (columns +0 .. +7, see above) times the bf16x2 scale S -> 4 bf16x2:
+// (+0,+1) (+2,+3) (+4,+5) (+6,+7).
 __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t S, uint32_t (&r)[4]) {
-    const uint32_t idx = w & 0x77777777u, idx2 = idx >> 16, ws = w << 4;
-    uint32_t h1 = __byte_perm(0x3F3F3F00u, 0x40404040u, idx);     // hi bytes, codes 0..3
-    uint32_t h2 = __byte_perm(0x3F3F3F00u, 0x40404040u, idx2);    // hi bytes, codes 4..7
-    const uint32_t l1 = __byte_perm(0xC0800000u, 0xC0804000u, idx);
-    const uint32_t l2 = __byte_perm(0xC0800000u, 0xC0804000u, idx2);
-    h1 |= __byte_perm(ws, w, 0x5140) & 0x80808080u;                // sign of code i (bit 4i+3) -> bit 7 of byte i
-    h2 |= __byte_perm(ws, w, 0x7362) & 0x80808080u;
-    r[0] = bmul2(__byte_perm(l1, h1, 0x5140), S);                  // bytes lo0 hi0 lo1 hi1
-    r[1] = bmul2(__byte_perm(l1, h1, 0x7362), S);
-    r[2] = bmul2(__byte_perm(l2, h2, 0x5140), S);
-    r[3] = bmul2(__byte_perm(l2, h2, 0x7362), S);
+    const uint32_t M = 0x81C081C0u;                       // sign -> bit 15, e1 e0 m -> bits 8..6, both halves
+    const uint32_t P126 = 0x7E807E80u;                    // bf16x2 (2^126, 2^126)
+    const uint32_t R0 = w & M, R1 = (w << 3) & M, R2 = (w << 6) & M;
+    const uint32_t R3 = ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
+    r[0] = bmul2(bmul2(R0, P126), S);
+    r[1] = bmul2(bmul2(R1, P126), S);
+    r[2] = bmul2(bmul2(R2, P126), S);
+    r[3] = bmul2(bmul2(R3, P126), S);
+}
+
+// One checkpoint word (nibble i = column +i, e2m1 bits s e1 e0 m from the top) -> the device word layout above.
+__device__ __forceinline__ uint32_t fp4_device_word(uint32_t v) {
+    const int pos[4][4] = {{15, 8, 7, 6}, {12, 5, 4, 3}, {9, 2, 1, 0}, {14, 13, 11, 10}};   // pair p: s e1 e0 m
+    uint32_t r = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t c = (v >> (4 * i)) & 15u;
+        const int half = (i & 1) ? 16 : 0, p = i >> 1;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) r |= ((c >> (3 - b)) & 1u) << (half + pos[p][b]);
+    }
+    return r;
 }
 
 __device__ __forceinline__ uint32_t u4word(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }

@@ -95,10 +95,40 @@ def upload_experts(g, ck, layer_prefix, E, H, I, router=True):
             s[e] = np.asarray(raw.scale).view(np.uint8)
     out = dict(E=E, H=H, I=I, gw=g.upload(gw), uw=g.upload(uw), gs=g.upload(gs), us=g.upload(us),
                dw=g.upload(dw), ds=g.upload(ds), gsc=g.upload(gsc))
+    for name in ("gw", "uw", "dw"):
+        fp4_repack_gpu(g, out[name])
     if router and ck.has(p + "router.proj.weight"):
         out.update(upload_router(g, ck.tensor(p + "router.proj.weight", (E, H)), ck.tensor(p + "router.scale", (H,)),
                                  ck.tensor(p + "router.per_expert_scale", (E,))))
     return out
+
+
+# The expert kernels read the packed NVFP4 bytes in a device word layout (kernels_ptx/moe_common.cuh): every 32-bit
+# word (8 columns) has its nibbles' bits moved so that each bf16 pair is one to three shift-and-mask steps away.
+# Bits per column pair p of a word (even column in the low 16 bits, odd column at the same places of the high 16):
+# (sign, e1, e0, m) of the e2m1 code at these places.
+FP4_PLACES = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
+
+
+def fp4_device_words(packed):
+    """numpy twin of moe.cu's moe_fp4_repack: packed NVFP4 bytes (..., K/2) u8 (nibble i of each 4-byte word =
+    column i, low nibble first) -> the same shape in the device word layout. For tests; uploads run the kernel."""
+    v = np.ascontiguousarray(packed).view(np.uint32)
+    r = np.zeros_like(v)
+    for i in range(8):
+        c = (v >> np.uint32(4 * i)) & np.uint32(15)
+        for b, place in enumerate(FP4_PLACES[i >> 1]):
+            r |= ((c >> np.uint32(3 - b)) & np.uint32(1)) << np.uint32(place + (16 if i & 1 else 0))
+    return r.view(np.uint8).reshape(np.shape(packed))
+
+
+def fp4_repack_gpu(g, arr):
+    """Rewrite a device array of packed NVFP4 bytes (a multiple of 4 bytes) into the device word layout, in place."""
+    n = arr.nbytes // 4
+    if arr.nbytes % 4 or n >= 2 ** 31:
+        raise ValueError(f"fp4_repack_gpu: {arr.nbytes} bytes is not a whole number of 32-bit words below 2^31")
+    g.launch(g.module("moe").function("moe_fp4_repack"), grid=(max(1, min(-(-n // 256), 8192)),), block=(256,),
+             args=[arr, n], nbytes=2 * arr.nbytes)
 
 
 def upload_router(g, proj, scale, per_expert_scale):
