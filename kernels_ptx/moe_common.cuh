@@ -10,8 +10,11 @@ typedef __nv_bfloat16 bf16;
 
 // global scale, per expert per projection: gsc[(e*3 + proj)*2 + {0,1}] = (mult, div);
 // CT: (1, weight_global_scale) -> acc / g ; ModelOpt: (weight_scale_2, 1) -> acc * wsf2. One rounding each.
+// acc is the kernels' sum of the operands q*s*2^-8 (see the decode below): times 2^8 first, exactly.
 // explicit _rn intrinsics below: no FMA contraction, so every template variant rounds identically
-__device__ __forceinline__ float apply_global(float acc, const float* g2) { return __fdiv_rn(__fmul_rn(acc, g2[0]), g2[1]); }
+__device__ __forceinline__ float apply_global(float acc, const float* g2) {
+    return __fdiv_rn(__fmul_rn(__fmul_rn(acc, 256.f), g2[0]), g2[1]);
+}
 
 __device__ __forceinline__ float gelu_tanh_f(float x) {
     const float c = 0.7978845608028654f;   // sqrt(2/pi)
@@ -58,12 +61,14 @@ __device__ __forceinline__ float gate_up_out(float accg, float accu, const float
 //     p = 0: 15, 8, 7, 6     p = 1: 12, 5, 4, 3     p = 2: 9, 2, 1, 0     p = 3: 14, 13, 11, 10
 // so that pair p's bf16x2 bit pattern R_p (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22, the rest zero) is
 // one AND (p = 0), a shift and an AND (p = 1, 2) or three of each (p = 3) away. As bf16, R_p = q * 2^-126 exactly
-// (exponent field e1 e0, mantissa m000000; codes 0 and 0.5 are subnormal), so q = R_p * 2^126 (mul.rn.bf16x2 keeps
-// subnormal inputs; a power of two: exact), then one mul.rn.bf16x2 by the block scale (e4m3 -> f16 by cvt (exact)
-// -> f32 -> bf16 (exact)); q*s has <= 6 significant bits and lies in [2^-10, 2688]: exact in bf16 (checkpoint.md
-// section 1). Signed zeros stay signed. 8 integer-pipe and 11 fma-pipe instructions per 8 weights, against 15 and
-// 4 of the byte-table decode this replaced (the integer pipe issues at half rate; the experts' decode-bound
-// kernels were throttled on it: BENCHMARKS.md, eighth session).
+// (exponent field e1 e0, mantissa m000000; codes 0 and 0.5 are subnormal: mul.rn.bf16x2 keeps subnormal inputs),
+// and one mul.rn.bf16x2 by S' = s * 2^118 (the block scale: e4m3 -> f16 by cvt (exact) -> f32, times 2^118 (exact;
+// s <= 448 < 2^9, so S' < 2^127) -> bf16 (exact)) gives the mma operand q * s * 2^-8 exactly: <= 6 significant bits
+// in [2^-18, 10.5], normal. Signed zeros stay signed. The tensor core's products and fp32 sums of operands all
+// scaled by 2^-8 are the unscaled ones times 2^-8, bit for bit, as long as no product or sum falls below fp32's
+// normal range (|x| < ~2^-110 in the activations); apply_global multiplies the sum back by 2^8 (exact). 11 integer
+// and 4 fma-pipe instructions per 8 weights (per bf16 pair: the mask steps, one multiply), against 15 and 4 of the
+// byte-table decode this replaced; the expert kernels are issue-bound (BENCHMARKS.md, eighth session).
 // ===================================================================================================
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -78,29 +83,28 @@ __device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
     return d;
 }
 
-// two e4m3 scale bytes (byte 0 = block of columns c0..c0+15, byte 1 = c0+16..c0+31) -> bf16x2 broadcasts
+// two e4m3 scale bytes (byte 0 = block of columns c0..c0+15, byte 1 = c0+16..c0+31) -> bf16x2 broadcasts of
+// s * 2^118 (the decode's S', see above)
 __device__ __forceinline__ void scales_bf16x2(uint32_t s2, uint32_t& S0, uint32_t& S1) {
     uint32_t h2;
     const unsigned short in = (unsigned short)(s2 & 0xffffu);
     asm("{\n\t.reg .b16 a;\n\tmov.b16 a, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\t}" : "=r"(h2) : "h"(in));
     const __half2 hh = *reinterpret_cast<const __half2*>(&h2);
-    const float f0 = __low2float(hh), f1 = __high2float(hh);
+    const float p118 = 0x1p118f;                                 // 2^118
+    const float f0 = __fmul_rn(__low2float(hh), p118), f1 = __fmul_rn(__high2float(hh), p118);
     __nv_bfloat162 b0 = __floats2bfloat162_rn(f0, f0), b1 = __floats2bfloat162_rn(f1, f1);
     S0 = *reinterpret_cast<uint32_t*>(&b0);
     S1 = *reinterpret_cast<uint32_t*>(&b1);
 }
 
-// The 8 e2m1 codes of one device-layout word (columns +0 .. +7, see above) times the bf16x2 scale S -> 4 bf16x2:
-// (+0,+1) (+2,+3) (+4,+5) (+6,+7).
+// The 8 e2m1 codes of one device-layout word (columns +0 .. +7, see above) times the bf16x2 scale S' = s * 2^118
+// (scales_bf16x2) -> 4 bf16x2 operands q * s * 2^-8: (+0,+1) (+2,+3) (+4,+5) (+6,+7).
 __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t S, uint32_t (&r)[4]) {
     const uint32_t M = 0x81C081C0u;                       // sign -> bit 15, e1 e0 m -> bits 8..6, both halves
-    const uint32_t P126 = 0x7E807E80u;                    // bf16x2 (2^126, 2^126)
-    const uint32_t R0 = w & M, R1 = (w << 3) & M, R2 = (w << 6) & M;
-    const uint32_t R3 = ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u);
-    r[0] = bmul2(bmul2(R0, P126), S);
-    r[1] = bmul2(bmul2(R1, P126), S);
-    r[2] = bmul2(bmul2(R2, P126), S);
-    r[3] = bmul2(bmul2(R3, P126), S);
+    r[0] = bmul2(w & M, S);
+    r[1] = bmul2((w << 3) & M, S);
+    r[2] = bmul2((w << 6) & M, S);
+    r[3] = bmul2(((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u), S);
 }
 
 // One checkpoint word (nibble i = column +i, e2m1 bits s e1 e0 m from the top) -> the device word layout above.
