@@ -334,9 +334,8 @@ def test_fp4_device_words():
     words = np.concatenate([every, rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
     dev = moe.fp4_device_words(words.view(np.uint8)).view(np.uint32)
     M = np.uint32(0x81C081C0)
-    pairs = [dev & M, (dev << np.uint32(3)) & M, (dev << np.uint32(6)) & M,
-             ((dev >> np.uint32(4)) & np.uint32(0x00C000C0)) | ((dev >> np.uint32(5)) & np.uint32(0x01000100))
-             | ((dev << np.uint32(1)) & np.uint32(0x80008000))]
+    p3 = ((dev & np.uint32(0x6C006C00)).astype(np.uint64) * np.uint64(0x82100000)) >> np.uint64(27)
+    pairs = [dev & M, (dev << np.uint32(3)) & M, (dev << np.uint32(6)) & M, p3.astype(np.uint32) & M]
     for p, R in enumerate(pairs):
         for half in (0, 1):
             col = 2 * p + half

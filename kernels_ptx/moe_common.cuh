@@ -58,17 +58,19 @@ __device__ __forceinline__ float gate_up_out(float accg, float accu, const float
 // 32-bit word once, at upload; layers/moe.py fp4_device_words is its numpy twin): the word of columns 8j .. 8j+7
 // holds column pair p (columns 8j+2p, 8j+2p+1) with the even column in the low 16 bits and the odd one at the same
 // places of the high 16 bits; e2m1 code bits (sign, e1, e0, m) at
-//     p = 0: 15, 8, 7, 6     p = 1: 12, 5, 4, 3     p = 2: 9, 2, 1, 0     p = 3: 14, 13, 11, 10
+//     p = 0: 15, 8, 7, 6     p = 1: 12, 5, 4, 3     p = 2: 9, 2, 1, 0     p = 3: 11, 10, 14, 13
 // so that pair p's bf16x2 bit pattern R_p (sign at bit 15 / 31, e1 e0 m at bits 8..6 / 24..22, the rest zero) is
-// one AND (p = 0), a shift and an AND (p = 1, 2) or three of each (p = 3) away. As bf16, R_p = q * 2^-126 exactly
+// one AND (p = 0) or a shift and an AND (p = 1, 2) away. Pair 3's bits need three shifts (+4, -2, -7), done at once
+// by one 32 x 32 -> 64-bit multiply of the masked word by 2^20 + 2^25 + 2^31 (the three shifted copies land on
+// disjoint bits: no carries), a funnel shift right by 27 and an AND. As bf16, R_p = q * 2^-126 exactly
 // (exponent field e1 e0, mantissa m000000; codes 0 and 0.5 are subnormal: mul.rn.bf16x2 keeps subnormal inputs),
 // and one mul.rn.bf16x2 by S' = s * 2^118 (the block scale: e4m3 -> f16 by cvt (exact) -> f32, times 2^118 (exact;
 // s <= 448 < 2^9, so S' < 2^127) -> bf16 (exact)) gives the mma operand q * s * 2^-8 exactly: <= 6 significant bits
 // in [2^-18, 10.5], normal. Signed zeros stay signed. The tensor core's products and fp32 sums of operands all
 // scaled by 2^-8 are the unscaled ones times 2^-8, bit for bit, as long as no product or sum falls below fp32's
-// normal range (|x| < ~2^-110 in the activations); apply_global multiplies the sum back by 2^8 (exact). 11 integer
-// and 4 fma-pipe instructions per 8 weights (per bf16 pair: the mask steps, one multiply), against 15 and 4 of the
-// byte-table decode this replaced; the expert kernels are issue-bound (BENCHMARKS.md, eighth session).
+// normal range (|x| < ~2^-110 in the activations); apply_global multiplies the sum back by 2^8 (exact). 13
+// instructions per 8 weights (the mask steps, one multiply per bf16 pair), against 19 of the byte-table decode this
+// replaced; the expert kernels are issue-bound (BENCHMARKS.md, eighth session).
 // ===================================================================================================
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -104,12 +106,13 @@ __device__ __forceinline__ void fp4x8_bf16(uint32_t w, uint32_t S, uint32_t (&r)
     r[0] = bmul2(w & M, S);
     r[1] = bmul2((w << 3) & M, S);
     r[2] = bmul2((w << 6) & M, S);
-    r[3] = bmul2(((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u) | ((w << 1) & 0x80008000u), S);
+    const unsigned long long p3 = (unsigned long long)(w & 0x6C006C00u) * 0x82100000ull;   // pair 3's bits x 3 shifts
+    r[3] = bmul2((uint32_t)(p3 >> 27) & M, S);
 }
 
 // One checkpoint word (nibble i = column +i, e2m1 bits s e1 e0 m from the top) -> the device word layout above.
 __device__ __forceinline__ uint32_t fp4_device_word(uint32_t v) {
-    const int pos[4][4] = {{15, 8, 7, 6}, {12, 5, 4, 3}, {9, 2, 1, 0}, {14, 13, 11, 10}};   // pair p: s e1 e0 m
+    const int pos[4][4] = {{15, 8, 7, 6}, {12, 5, 4, 3}, {9, 2, 1, 0}, {11, 10, 14, 13}};   // pair p: s e1 e0 m
     uint32_t r = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {

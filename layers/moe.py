@@ -104,10 +104,11 @@ def upload_experts(g, ck, layer_prefix, E, H, I, router=True):
 
 
 # The expert kernels read the packed NVFP4 bytes in a device word layout (kernels_ptx/moe_common.cuh): every 32-bit
-# word (8 columns) has its nibbles' bits moved so that each bf16 pair is one to three shift-and-mask steps away.
+# word (8 columns) has its nibbles' bits moved so that each bf16 pair is a mask, a shift and a mask, or (pair 3) a
+# multiply, a funnel shift and a mask away.
 # Bits per column pair p of a word (even column in the low 16 bits, odd column at the same places of the high 16):
 # (sign, e1, e0, m) of the e2m1 code at these places.
-FP4_PLACES = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))
+FP4_PLACES = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (11, 10, 14, 13))
 
 
 def fp4_device_words(packed):
