@@ -4426,7 +4426,9 @@ def test_gpu_fp4_repack(g):
         raw = rng.integers(0, 256, 4 * n, dtype=np.uint8)
         d = g.upload(raw)
         moe.fp4_repack_gpu(g, d)
-        assert g.download(d).tobytes() == moe.fp4_device_words(raw).tobytes()
+        got = g.download(d)
+        g.free(d)
+        assert got.tobytes() == moe.fp4_device_words(raw).tobytes()
 
 
 POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used; the other 88 get no tokens
