@@ -218,7 +218,7 @@ def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
     a = np.array(rows, dtype=float)
     return {"readout_ms": round(float(np.median(a[:, 0])), 2), "readout_stage_ms": round(float(np.median(a[:, 1])), 2),
             "readout_wall_ms": round(float(np.median(a[:, 2])), 2), "readout_stem_tokens": int(a[0, 3]),
-            "readout_repeats": repeats}
+            "readout_repeats": repeats, "readout_ms_each": [round(float(x), 2) for x in a[:, 0]]}
 
 
 def run_workload(port, reqs, timeout=540.0):

@@ -5841,27 +5841,27 @@ def test_gpu_linear_decode_variants(lin_g):
 # ====================================================================================================
 
 def _with_tile(tile, fn):
-    """fn() with the prefill tile `tile` ('p', 'g128' or 'w': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS set so
+    """fn() with the prefill tile `tile` ('p', 'g128' or 'ws': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS set so
     that it runs every launch it can take from T = 65; restored after)."""
     saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS
     lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = {'p': (None, None, 1), 'g128': (65, None, 1),
-                                                               'w': (65, 65, 1)}[tile]
+                                                               'ws': (65, 65, 1)}[tile]
     try:
         return fn()
     finally:
         lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = saved
 
 
-# `w` (wgmma) takes FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
-_TILES = ('p', 'g128', 'w')
+# `ws` (wgmma) takes FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
+_TILES = ('p', 'g128', 'ws')
 
 
 class _LaunchLog:
     """A stand-in for gpu.GPU that records what layers.linear launches (module.kernel, grid, dynamic shared memory,
     declared FLOPs): the prefill tile choice, checked without a device."""
 
-    def __init__(self, capability=(9, 0)):
-        self.capability, self.launches, self.args = capability, [], []
+    def __init__(self, capability=(9, 0), sm_count=132):
+        self.capability, self.sm_count, self.launches, self.args = capability, sm_count, [], []
 
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
@@ -5877,16 +5877,18 @@ def _fake_linear(fmt, n, k):
 
 
 def test_linear_prefill_tile_choice():
-    """layers.linear's launcher (no device): the wgmma tile `_w` takes FP8 tensor / channel plain, multi and gelu
-    launches from W_MIN_T tokens when they have W_MIN_CTAS CTAs (128 rows, or 64 gate + up rows for gelu, x 128
-    tokens), on sm_90 only; the rest go to `_g128` / `_p` / the decode family as before. W_SMEM / W_GATE equal the
-    kernel file's defines (the kernel lays its dynamic shared memory out by them)."""
+    """layers.linear's launcher (no device): the persistent wgmma tile `_ws` takes FP8 tensor / channel plain, multi
+    and gelu launches from W_MIN_T tokens when they have W_MIN_CTAS tiles (128 rows, or 64 gate + up rows for gelu,
+    x 128 tokens), on sm_90 only, on min(tiles, SMs) CTAs of WS_THREADS; the rest go to `_g128` / `_p` / the decode
+    family as before. W_GATE / WS_SMEM / WS_THREADS equal the kernel file's defines (the kernel lays its dynamic
+    shared memory out by them)."""
     src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels_ptx', 'linear_sm90a.cu')).read()
     defs = {}
-    for name, expr in re.findall(r'^#define (W_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
+    for name, expr in re.findall(r'^#define (WS?_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
         if re.fullmatch(r'[\w\s()*+-]+', expr):                            # the sizes (not the parameter lists)
             defs[name] = eval(expr, {}, dict(defs))
-    assert lin_mod.W_SMEM == defs['W_SMEM'] and lin_mod.W_GATE == defs['W_GATE'], defs
+    assert lin_mod.W_GATE == defs['W_GATE'], defs
+    assert lin_mod.WS_SMEM == defs['WS_SMEM'] and lin_mod.WS_THREADS == defs['WS_THREADS'], defs
     H, I = 2816, 2112
     bf = lambda t, n: types.SimpleNamespace(shape=(t, n), dtype=BF16, ptr=1024)
 
@@ -5900,18 +5902,19 @@ def test_linear_prefill_tile_choice():
     def gelu(g, t):
         gate_up_gelu_gpu(g, bf(t, H), _fake_linear('fp8_channel', I, H), _fake_linear('fp8_channel', I, H), bf(t, I))
 
-    W, WG = lin_mod.W_SMEM, lin_mod.W_SMEM + lin_mod.W_GATE
-    cases = [(qkv, 512, {}, ('linear_sm90a.gemm_fp8_bf16_w', (64, 4, 1), W)),
-             (qkv, 128, {}, ('linear_sm90a.gemm_fp8_bf16_w', (64, 1, 1), W)),          # 64 CTAs: the floor
-             (o_proj, 512, {}, ('linear_sm90a.gemm_fp8_bf16_w', (22, 4, 1), W)),
+    S, SG = lin_mod.WS_SMEM, lin_mod.WS_SMEM + lin_mod.W_GATE
+    cases = [(qkv, 512, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (132, 1, 1), S)),       # 256 tiles on 132 SMs
+             (qkv, 128, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (64, 1, 1), S)),         # 64 CTAs: the floor
+             (o_proj, 512, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (88, 1, 1), S)),
              (o_proj, 128, {}, ('linear.gemm_fp8_bf16_p', (44, 4, 1), lin_mod.P_SMEM['fp8'])),     # 22 CTAs
-             (gelu, 512, {}, ('linear_sm90a.gelu_fp8_bf16_w', (33, 4, 1), WG)),
+             (gelu, 512, {}, ('linear_sm90a.gelu_fp8_bf16_ws', (132, 1, 1), SG)),
+             (gelu, 2048, {'sm_count': 78}, ('linear_sm90a.gelu_fp8_bf16_ws', (78, 1, 1), SG)),
              (gelu, 128, {}, ('linear.gelu_fp8_bf16_p', (33, 4, 1), lin_mod.P_SMEM['fp8'])),       # 33 CTAs
              (qkv, 512, {'capability': (8, 9)}, ('linear.gemm_fp8_bf16_g128', (64, 4, 1), None)),
              (qkv, 512, {'W_MIN_T': None}, ('linear.gemm_fp8_bf16_g128', (64, 4, 1), None)),
              (qkv, 2048, {'W_MIN_T': 4096}, ('linear.gemm_fp8_bf16_g128', (64, 16, 1), None))]
     for call, t, change, (name, grid, shared) in cases:
-        g = _LaunchLog(change.get('capability', (9, 0)))
+        g = _LaunchLog(change.get('capability', (9, 0)), change.get('sm_count', 132))
         saved = lin_mod.W_MIN_T
         lin_mod.W_MIN_T = change.get('W_MIN_T', saved)
         try:
@@ -5922,21 +5925,23 @@ def test_linear_prefill_tile_choice():
         f, gr, sh, fl = g.launches[0]
         assert fl == 2 * t * {'qkv': 8192 * H, 'o_proj': H * 4096, 'gelu': 2 * I * H}[call.__name__], fl
         assert (f, gr) == (name, grid) and (shared is None or sh == shared), (call.__name__, t, change, g.launches)
-    for call, fmt in ((qkv, 'fp8_block'), (qkv, 'bf16')):                  # formats `_w` does not take
+    for call, fmt in ((qkv, 'fp8_block'), (qkv, 'bf16')):                  # formats `_ws` does not take
         g = _LaunchLog()
         call(g, 512, fmt)
         assert g.launches[0][0] == ('linear.gemm_fp8blk_bf16_p' if fmt == 'fp8_block' else 'linear.gemm_bf16_bf16_g128')
     g = _LaunchLog()
     qkv(g, 64)                                                              # decode sizes: the decode family
-    assert not g.launches[0][0].endswith(('_w', '_p', '_g128')), g.launches
+    assert not g.launches[0][0].endswith(('_ws', '_p', '_g128')), g.launches
 
 
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
-    """Every prefill tile (`_p`, `_g128`, the wgmma `_w`) gives the decode family's bytes, row by row: plain (bf16
-    out; f32 out for bf16 weights), fused multi and gate_up_gelu (`_p` and `_w`), at T = 1100 and 130, for K with
-    44 / 11 / 4 (partial) / 1 units (K < 512 leaves slices empty) and N off the 128-row tile."""
+    """Every prefill tile (`_p`, `_g128`, the persistent wgmma tile `_ws`) gives the decode family's bytes, row by
+    row: plain (bf16 out; f32 out for bf16 weights), fused multi and gate_up_gelu (`_p` and `_ws`),
+    at T = 1100 and 130, for K with 44 / 11 / 4 (partial) / 1 units (K < 512 leaves slices empty) and N off the
+    128-row tile. `ws7` runs `_ws` on 7 CTAs (as if the GPU had 7 SMs), so that each CTA runs many tiles and its
+    stage ring wraps across them."""
     g, rng = lin_g, np.random.default_rng(31)
     for (n, k), n2 in (((2112, 2816), 1024), ((1000, 704), 17), ((300, 208), 130), ((17, 48), 5)):
         (ra, _), (rb, _), (rc, _) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n2, k), _lin_raw(rng, fmt, n, k)
@@ -5945,10 +5950,15 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
             x = (rng.standard_normal((t, k), np.float32) * 2).astype(BF16)
             xd = g.upload(x)
             outs = {}
-            for tile in _TILES:
+            for tile in _TILES + ('ws7',):
                 run = lambda: (_lin_run(g, x, a), _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c),
                                _lin_run(g, x, a, np.float32) if fmt == 'bf16' else None)
-                outs[tile] = _with_tile(tile, run)
+                sms = g.sm_count
+                g.sm_count = 7 if tile == 'ws7' else sms
+                try:
+                    outs[tile] = _with_tile(tile.rstrip('7'), run)
+                finally:
+                    g.sm_count = sms
             rows = np.sort(rng.choice(t, 64, replace=False))
             xs = g.upload(x[rows])
             dec = (_lin_run(g, x[rows], a), _multi(g, xs, [a, b]), _gelu_fused(g, xs, a, c),
@@ -5971,13 +5981,13 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
 @needs_gpu
 def test_gpu_linear_prefill_timing(lin_g):
     """Graph-replayed us and TFLOP/s of the real prefill launches (fused q+k+v of a sliding layer, o_proj,
-    gate_up_gelu, down) at T = 128, 512 and 2048 on each prefill tile (gelu: `_p` on the `g128` tile); printed for
-    BENCHMARKS.md, not asserted."""
+    gate_up_gelu, down) at T = 128, 507 (a partial token tile), 512 and 2048 on each prefill tile (gelu: `_p` on the
+    `g128` tile); printed for BENCHMARKS.md, not asserted."""
     g, rng = lin_g, np.random.default_rng(32)
     H, I = 2816, 2112
     mk = lambda n, k: upload_linear(g, _lin_raw(rng, 'fp8_channel', n, k)[0])
     q, kk, v, o, gt, up, dn = mk(4096, H), mk(2048, H), mk(2048, H), mk(H, 4096), mk(I, H), mk(I, H), mk(H, I)
-    for t in (128, 512, 2048):
+    for t in (128, 507, 512, 2048):
         xh = g.upload((rng.standard_normal((t, H), np.float32)).astype(BF16))
         xq = g.upload((rng.standard_normal((t, 4096), np.float32)).astype(BF16))
         xi = g.upload((rng.standard_normal((t, I), np.float32)).astype(BF16))

@@ -1,10 +1,10 @@
-// The wgmma prefill tile `_w` (sm_90a: Hopper's warpgroup MMA) for FP8 tensor / channel weights: the per-output
-// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 1.5-2x their rate
-// (BENCHMARKS.md, fifth session).
-// Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu (as `_p`); layers/linear.py picks it.
+// The wgmma prefill tile `_ws` (sm_90a: Hopper's warpgroup MMA) for FP8 tensor / channel weights: the per-output
+// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 2.5-3x their rate
+// (BENCHMARKS.md, fifth and ninth sessions). Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu
+// (as `_p`); layers/linear.py picks it.
 //
-// Why the bits are the same (measured on the H200, 2026-11-30, before this kernel was written: 147,456 outputs of
-// chained k16 steps, operands spread over 2^-20 .. 2^20, non-zero accumulators, no bit differed):
+// Why the bits are the same (measured on the H200, 2026-11-30, before the first wgmma kernel was written: 147,456
+// outputs of chained k16 steps, operands spread over 2^-20 .. 2^20, non-zero accumulators, no bit differed):
 //   - wgmma m64nNk16 with A from registers and B from shared memory computes each 16-wide k step exactly as
 //     mma.sync m16n8k16 with the same fragments does;
 //   - within one k16 step the result does not depend on which of the 16 k slots holds which (A, B) product pair
@@ -22,14 +22,25 @@
 // folded into the total in slice order 0..7 (__fadd_rn from -0.0f, so that slice 0 enters as is; empty slices fold
 // +0.0f), then store_out (scale, round).
 //
-// CTA: 2 warpgroups (256 threads) x 64 rows = 128 W rows, x 128 tokens (wgmma m64n128k16, A = W rows from
-// registers, B = X tokens from shared memory); grid (sum_p ceil(N_p/128), ceil(T/128)); gelu: the 64 gate rows and
-// the 64 up rows of 64 outputs, grid (ceil(N/64), ceil(T/128)). Stages (one 64-K unit each, cp.async with zero
-// fill, W_STAGES deep): W 128 rows x 64 B, X in the wgmma "no swizzle" K-major layout: step j = 2 k halves x 128
-// tokens x 16 B, the token groups' core matrices side by side (stride byte offset 128, leading byte offset 2 KB;
-// on the H200, 2026-11-30, core matrices 256 B apart ran at `_g128`'s rate), the steps 32 B apart beyond that so
-// that the 8-byte cp.async pieces land in 2 wavefronts. A unit's stage is refilled two units later: its wgmmas are
-// known to be done then (wgmma.wait_group 1 after each unit's commit, and the barrier of the next unit).
+// Tile: 128 W rows x 128 tokens (wgmma m64n128k16, A = W rows from registers, B = X tokens from shared memory);
+// gelu: the 64 gate rows and the 64 up rows of 64 outputs. Stages (one 64-K unit each, cp.async with zero fill):
+// W 128 rows x 64 B, X in the wgmma "no swizzle" K-major layout: step j = 2 k halves x 128 tokens x 16 B, the token
+// groups' core matrices side by side (stride byte offset 128, leading byte offset 2 KB; on the H200, 2026-11-30,
+// core matrices 256 B apart ran at `_g128`'s rate), the steps 32 B apart beyond that so that the 8-byte cp.async
+// pieces land in 2 wavefronts.
+//
+// CTA: 3 warpgroups, persistent. Warpgroups 0 and 1 compute (stage rows 0..63 / 64..127: the A fragments converted
+// from the stage's FP8 bytes, 4 wgmmas a unit), warpgroup 2 loads. Each CTA runs the tiles blockIdx.x, + gridDim.x,
+// .. (row tile fastest; grid min(tiles, SMs)); the loader runs ahead across tiles, so a tile's pipeline fill and its
+// epilogue overlap the neighbouring tiles' work. Per stage two mbarriers: full (the 128 loader threads arrive once
+// their pieces have landed and are fenced for the tensor cores: cp.async.wait_group WS_LAG units later, then
+// fence.proxy.async) and empty (the 8 compute warps arrive once the unit's wgmmas are done). setmaxnreg moves
+// registers from the loader (72 a thread) to the compute warpgroups (216; ptxas allocates each region within its
+// budget), so that the slice totals live in registers beside the accumulators (64 + 64 a thread).
+// What the speed came from (H200, 2026-11-30, T = 2048 q+k+v, us): the fifth session's non-persistent form (2
+// warpgroups that each loaded, converted and computed, totals in shared memory, a barrier a unit) 317; its loads
+// moved to a loader warpgroup, totals still in shared memory (6 stages) 296; totals in registers (8 stages) 218.
+// The compute warps issue ~140 instructions a unit (the FP8 conversion ~85 of them), the loader's ~85.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -37,15 +48,13 @@
 #include "linear_common.cuh"
 #include "wgmma.cuh"
 
-#define W_ROWS 128                          // W rows per CTA (2 warpgroups x 64)
-#define W_TOK 128                           // tokens per CTA (wgmma N)
-#define W_STAGES 5
+#define W_ROWS 128                          // W rows per tile (2 warpgroups x 64)
+#define W_TOK 128                           // tokens per tile (wgmma N)
 #define W_WBYTES (W_ROWS * 64)              // fp8 W of one unit
 #define W_XSTEP (W_TOK * 32 + 32)           // bytes per k16 step of X: 2 core-matrix columns of 128 tokens + 32 pad
 #define W_XBYTES (4 * W_XSTEP)              // bf16 X of one unit
 #define W_STAGE (W_WBYTES + W_XBYTES)       // 24704 B
-#define W_SMEM (W_STAGES * W_STAGE + 64 * 4 * 256)   // + the fp32 slice totals: 189056 B dynamic smem
-#define W_GATE (64 * 2 * 128)               // gelu: + the gate tile's bf16 values (205440 B in all)
+#define W_GATE (64 * 2 * 128)               // gelu: + the gate tile's bf16 values
 
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0) : "memory");
@@ -54,57 +63,6 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void *src, bool ok
 // groups of one k half lie side by side, 2 KB), stride (token group) byte offset 128.
 __device__ __forceinline__ uint64_t x_desc(uint32_t addr) {
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((W_TOK * 16) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
-}
-
-// One thread's cp.async pieces of a unit, the parts that do not change from unit to unit. W: pieces i = 0, 1 are
-// stage row (tid >> 2) + 64 i, 16 bytes at column 16 (tid & 3). X: pieces i = 0..7 are warp instruction
-// wi = warp + 8 i: k half kc = warp & 1, token tb + 16 i with tb = 4 (warp >> 1) + (lane >> 3); lane: j = lane & 3,
-// h = (lane >> 2) & 1; the piece = X columns 64u + 32 kc + 16 h + 4 j .. + 3 (8 B): 64 contiguous bytes per token
-// in global memory, 2 shared-memory wavefronts per instruction (W_XSTEP's pad).
-struct WLoad {
-    const uint8_t *w[2];                // piece i's W row, column 16 (tid & 3)
-    const __nv_bfloat16 *x;             // X token (t0 + tb), column xcol
-    uint32_t wdst, xdst;                // piece 0's byte offset in a stage (piece i: + 4096 i / + 256 i)
-    int wrows[2], xtoks;                // rows left in piece i's W from its row / X tokens left from piece 0's
-    int wcol, xcol;                     // the pieces' column inside a unit
-};
-
-// Stage rows 0..63 come from W0's rows row0.., rows 64..127 from W1's rows row0 + row1.. (plain: W1 = W0, row1 = 64;
-// gelu: W1 = up, row1 = 0, so that warpgroup 1 computes the up rows of warpgroup 0's gate rows).
-__device__ __forceinline__ WLoad w_load_setup(const uint8_t *W0, const uint8_t *W1, int row1,
-                                              const __nv_bfloat16 *X, int row0, int t0, int N, int K, int T) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int j = lane & 3, h = (lane >> 2) & 1, kc = warp & 1, tb = 4 * (warp >> 1) + (lane >> 3);
-    WLoad L;
-    L.wcol = 16 * (tid & 3);
-    L.xcol = 32 * kc + 16 * h + 4 * j;
-    L.w[0] = W0 + (size_t)(row0 + (tid >> 2)) * K + L.wcol;
-    L.w[1] = W1 + (size_t)(row0 + row1 + (tid >> 2)) * K + L.wcol;
-    L.x = X + (size_t)(t0 + tb) * K + L.xcol;
-    L.wdst = (tid >> 2) * 64 + L.wcol;
-    L.xdst = W_WBYTES + j * W_XSTEP + kc * (W_TOK * 16) + tb * 16 + h * 8;
-    L.wrows[0] = N - row0 - (tid >> 2);
-    L.wrows[1] = N - row0 - row1 - (tid >> 2);
-    L.xtoks = T - t0 - tb;
-    return L;
-}
-
-// Unit u into the stage at byte offset st (generic smem + st for W, shared-window sbase + st for X); zero fill
-// outside N, T and K (K % 16 == 0, so a piece is wholly inside or outside).
-__device__ __forceinline__ void w_stage_load(const WLoad &L, uint8_t *smem, uint32_t sbase, uint32_t st, int u, int K,
-                                             const void *W, const void *X) {
-    const int k0 = u << 6;
-    const bool wk = k0 + L.wcol < K, xk = k0 + L.xcol < K;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const bool ok = wk && L.wrows[i] > 0;
-        cp_async16(smem + st + L.wdst + 4096 * i, ok ? (const void *)(L.w[i] + k0) : W, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const bool ok = xk && 16 * i < L.xtoks;
-        cp_async8(sbase + st + L.xdst + 256 * i, ok ? (const void *)(L.x + (size_t)(16 * i) * K + k0) : X, ok);
-    }
 }
 
 // Slice-major order (linear_common.cuh slice_major_unit), one step at a time: the unit after u.
@@ -127,157 +85,272 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
     }
 }
 
-// The loop state: the unit consumed now (uc) and its stage (sc); the next unit to load (ul) and its stage (sl).
-struct WState {
-    int uc, sc, ul, sl;
-};
+#ifndef WS_STAGES
+#define WS_STAGES 8                         // unit m (counted across the CTA's tiles) uses stage m % WS_STAGES
+#endif
+#ifndef WS_LAG
+#define WS_LAG 2                            // loader: unit m's full barrier is arrived after unit m + WS_LAG is issued
+#endif                                      // (deadlock-free while WS_LAG <= WS_STAGES - 2)
+#define WS_THREADS 384
+#define WS_BARS (WS_STAGES * W_STAGE)       // full[WS_STAGES], empty[WS_STAGES]
+#define WS_SMEM (WS_BARS + 2 * WS_STAGES * 8)   // 197,760 B dynamic smem (+ W_GATE for gelu: 214,144)
+#define WS_REGS_COMPUTE 216                 // setmaxnreg: 2 x 128 x 216 + 128 x 72 = 384 x 168 (the launch's)
+#define WS_REGS_LOAD 72
 
-// One unit (the i-th in slice-major order) of the warpgroup's 64 rows x 128 tokens; A fragments in a[BUF].
-template <int BUF>
-__device__ __forceinline__ void w_unit(int i, int units, WState &S, const WLoad &L, uint8_t *smem, uint32_t sbase,
-                                       const void *W0, const __nv_bfloat16 *__restrict__ X, int K, int r, int q,
-                                       float (&acc)[64], float *tot, uint32_t (&a)[2][4][4]) {
-    cp_async_wait<W_STAGES - 3>();                            // unit i's pieces (this thread's) have landed
-    fence_proxy_async();                                      // ... and are visible to the tensor cores
-    __syncthreads();                                          // everyone's; unit i-2's wgmmas are done
-    if (i + W_STAGES - 2 < units) {
-        w_stage_load(L, smem, sbase, S.sl * W_STAGE, S.ul, K, W0, X);
-        S.ul = w_next_unit(S.ul, units);
-        S.sl = S.sl + 1 == W_STAGES ? 0 : S.sl + 1;
+__device__ __forceinline__ uint32_t ws_full(uint32_t bars, uint32_t m) { return bars + 8 * (m % WS_STAGES); }
+__device__ __forceinline__ uint32_t ws_empty(uint32_t bars, uint32_t m) {
+    return bars + 8 * (WS_STAGES + m % WS_STAGES);
+}
+__device__ __forceinline__ uint32_t ws_parity(uint32_t m) { return (m / WS_STAGES) & 1; }
+// The calling thread's warpgroup, warp-uniform as far as ptxas can tell (a shuffle from lane 0): wgmma under a branch
+// on threadIdx.x itself is serialized (ptxas C7518, "WG.DP in divergent path").
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0); }
+
+// Row tiles of a launch (RT rows per tile; gelu: one projection's).
+template <bool GELU>
+__device__ __forceinline__ int ws_row_tiles(const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int RT = GELU ? 64 : W_ROWS;
+    if (GELU) return (q0.N + RT - 1) / RT;
+    return (q0.N + RT - 1) / RT + (q1.N + RT - 1) / RT + (q2.N + RT - 1) / RT + (q3.N + RT - 1) / RT;
+}
+
+// Loader warpgroup: every unit of every tile of this CTA, in the compute warpgroups' order. Thread pt = 0..127:
+// W pieces i = 0..3 = stage row (pt >> 2) + 32 i, 16 bytes at column 16 (pt & 3); X pieces (kc, i) = token
+// tb + 16 i with tb = 4 (pt >> 5) + (lane >> 3), columns 32 kc + 16 h + 4 j .. + 3 with j = lane & 3,
+// h = (lane >> 2) & 1: 64 contiguous bytes per token, 2 shared-memory wavefronts per instruction (W_XSTEP's pad).
+// Rows past N and tokens past T are loaded from row N - 1 / token T - 1 instead: each output depends on one W row
+// and one X token only, and those outputs are never stored, so an edge tile costs what any other does (the predicated
+// zero fill made the edge tile of a 507-token launch ~1.6x slower: the critical path of launches of one wave). Only
+// columns past K are zero-filled (units with k0 + 64 > K: none in the real model's shapes): 20 cp.async and ~40
+// other instructions a unit.
+__device__ __forceinline__ void cp_async8_full(uint32_t dst, const void *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+
+template <bool GELU>
+__device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
+                                        const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int RT = GELU ? 64 : W_ROWS;
+    const int pt = threadIdx.x - 256, lane = pt & 31;
+    const int j = lane & 3, h = (lane >> 2) & 1, tb = 4 * (pt >> 5) + (lane >> 3);
+    const int wrow = pt >> 2, wcol = 16 * (pt & 3), xcol = 16 * h + 4 * j;
+    const uint32_t wdst = sbase + wrow * 64 + wcol, xdst = sbase + W_WBYTES + j * W_XSTEP + tb * 16 + h * 8;
+    const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
+    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    uint32_t m = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int b = tile % row_tiles;
+        const int t0 = (tile / row_tiles) * W_TOK;
+        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
+        const int row0 = b * RT;
+        const uint8_t *w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
+            const int row = min(row0 + wrow + 32 * i - (GELU && i >= 2 ? 64 : 0), p0.N - 1);
+            w[i] = reinterpret_cast<const uint8_t *>(GELU && i >= 2 ? q1.W : p0.W) + (size_t)row * K + wcol;
+        }
+        const __nv_bfloat16 *x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
+        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
+            mbar_wait(ws_empty(bars, m), ws_parity(m) ^ 1);
+            const int k0 = u << 6;
+            const uint32_t st = (m % WS_STAGES) * W_STAGE;
+            if (k0 + 64 <= K) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) cp_async16_full(wdst + st + 2048 * i, w[i] + k0);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    cp_async8_full(xdst + st + 256 * i, x[i] + k0);
+                    cp_async8_full(xdst + st + W_TOK * 16 + 256 * i, x[i] + k0 + 32);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const bool ok = k0 + wcol < K;
+                    cp_async16_s(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
+                }
+#pragma unroll
+                for (int kc = 0; kc < 2; ++kc)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        const bool ok = k0 + 32 * kc + xcol < K;
+                        cp_async8(xdst + st + (W_TOK * 16) * kc + 256 * i,
+                                  ok ? (const void *)(x[i] + k0 + 32 * kc) : X, ok);
+                    }
+            }
+            cp_async_commit();
+            if (m >= WS_LAG) {
+                cp_async_wait<WS_LAG>();                      // unit m - WS_LAG's pieces (this thread's) have landed
+                fence_proxy_async();
+                mbar_arrive(ws_full(bars, m - WS_LAG));
+            }
+        }
     }
-    cp_async_commit();                                        // (maybe empty) keeps the group count uniform
-    const uint32_t st = S.sc * W_STAGE;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full(bars, i));
+}
+
+// One unit of a compute warpgroup: A fragments into a[BUF], 4 wgmmas, and the stage(s) handed back (`pend`: the
+// previous unit's stage while its wgmmas may still run). The last unit of a slice is folded into tot.
+template <int BUF>
+__device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pend, uint8_t *smem, uint32_t sbase,
+                                        uint32_t bars, int r, int q, float (&acc)[64], float (&tot)[64],
+                                        uint32_t (&a)[2][4][4]) {
+    const uint32_t st = (m % WS_STAGES) * W_STAGE;
+    mbar_wait(ws_full(bars, m), ws_parity(m));
     w_stage_a(smem + st, r, q, a[BUF]);
     wg_fence();
     fence_acc(acc);
 #pragma unroll
     for (int j = 0; j < 4; ++j) wgmma_n<128>(acc, a[BUF][j], x_desc(sbase + st + W_WBYTES + j * W_XSTEP));
     wg_commit();
-    const int u = S.uc;
-    S.uc = w_next_unit(u, units);
-    S.sc = S.sc + 1 == W_STAGES ? 0 : S.sc + 1;
+    const bool lead = (threadIdx.x & 31) == 0;
     if (u + 8 >= units) {                                     // the last unit of slice u % 8: fold it
         wg_wait<0>();
         fence_acc(acc);
+        if (lead) {
+            if (pend >= 0) mbar_arrive(ws_empty(bars, pend));
+            mbar_arrive(ws_empty(bars, m));
+        }
+        pend = -1;
 #pragma unroll
         for (int e = 0; e < 64; ++e) {                        // tot starts at -0.0f: -0 + x == x, bit for bit
-            float &t = tot[e * 256 + threadIdx.x];
-            t = __fadd_rn(t, acc[e]);
+            tot[e] = __fadd_rn(tot[e], acc[e]);
             acc[e] = 0.f;
         }
     } else {
-        wg_wait<1>();                                         // unit i-1's wgmmas are done: a[BUF ^ 1] is free
+        wg_wait<1>();                                         // the previous unit's wgmmas are done
+        if (lead && pend >= 0) mbar_arrive(ws_empty(bars, pend));
+        pend = m;
     }
+    u = w_next_unit(u, units);
+    ++m;
 }
 
-// tot[e * 256 + tid] (shared) = the folded slice sums of the warpgroup's 64 stage rows (w_load_setup: W0 / W1) x 128
-// tokens (from t0) against X, element e of the m64n128 D fragment. Leaves no cp.async group or wgmma pending.
-__device__ __forceinline__ void w_mainloop(uint8_t *smem, uint32_t sbase, const void *W0, const void *W1, int row1,
-                                           int N, const __nv_bfloat16 *__restrict__ X, int T, int K, int row0, int t0,
-                                           int r, int q, float *tot) {
-    const int units = (K + 63) >> 6;
-    float acc[64];
+// Compute warpgroups, per tile: the mainloop, then scale, round and store (store_out). Gelu: warpgroup 0 (gate rows)
+// hands gelu_in of its outputs (bf16-rounded, so exact in bf16) to warpgroup 1 (up rows), which stores
+// gelu_mul(gate, up) into projection 0's Y as store_out<.., GELU> does; through `gate`, named barrier 1 = written,
+// 2 = read.
+template <bool GELU>
+__device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
+                                           int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int RT = GELU ? 64 : W_ROWS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int r = 16 * warp + g;                              // the lane's first stage row (and r + 8)
+    const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the tile
+    const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
+    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + WS_SMEM);   // [e * 128 + tid of warpgroup 0]
+    const int wg = warpgroup();
+    if (GELU && wg == 1) bar_arrive<2, 256>();                // the gate buffer starts free
+    uint32_t m = 0;
+    float acc[64];                                            // zero at every tile's start: each tile ends in a fold
     uint32_t a[2][4][4];
 #pragma unroll
-    for (int e = 0; e < 64; ++e) {
-        acc[e] = 0.f;
-        tot[e * 256 + threadIdx.x] = -0.f;                    // so that slice 0's fold is tot = acc exactly
-    }
-    const WLoad L = w_load_setup(reinterpret_cast<const uint8_t *>(W0), reinterpret_cast<const uint8_t *>(W1), row1, X,
-                                 row0, t0, N, K, T);
-    WState S = {0, 0, 0, 0};
+    for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+    float tot[64];
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int b = tile % row_tiles;
+        const int t0 = (tile / row_tiles) * W_TOK;
+        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
+        const int row0 = b * RT;
 #pragma unroll
-    for (int s = 0; s < W_STAGES - 2; ++s) {                  // prologue: the first W_STAGES-2 units
-        if (s < units) {
-            w_stage_load(L, smem, sbase, s * W_STAGE, S.ul, K, W0, X);
-            S.ul = w_next_unit(S.ul, units);
+        for (int e = 0; e < 64; ++e) tot[e] = -0.f;
+        int pend = -1;
+        for (int n = 0, u = 0; n < units; n += 2) {
+            ws_unit<0>(u, units, m, pend, smem, sbase, bars, r, q, acc, tot, a);
+            if (n + 1 < units) ws_unit<1>(u, units, m, pend, smem, sbase, bars, r, q, acc, tot, a);
         }
-        cp_async_commit();
-    }
-    S.sl = W_STAGES - 2;
-    for (int i = 0; i < units; i += 2) {
-        w_unit<0>(i, units, S, L, smem, sbase, W0, X, K, r, q, acc, tot, a);
-        if (i + 1 < units) w_unit<1>(i + 1, units, S, L, smem, sbase, W0, X, K, r, q, acc, tot, a);
-    }
-    wg_wait<0>();
-    cp_async_wait<0>();
-    for (int s = units; s < SLICES; ++s)                      // empty slices (K < 512): their partial is +0.0f
+        wg_wait<0>();                                         // (a no-op: the last unit was a slice end) so that
+        fence_acc(acc);                                       // ptxas need not wait in the loop
+        for (int s = units; s < SLICES; ++s)                  // empty slices (K < 512): their partial is +0.0f
 #pragma unroll
-        for (int e = 0; e < 64; ++e) tot[e * 256 + threadIdx.x] = __fadd_rn(tot[e * 256 + threadIdx.x], 0.f);
-}
-
-// GELU: projection 0 = gate, 1 = up (same N), 64 rows per CTA: warpgroup 0 runs the gate rows, warpgroup 1 the up
-// rows of the same outputs, in one K loop; warpgroup 0 leaves gelu_in of each output (bf16-rounded, so exact in
-// bf16) in shared memory and warpgroup 1 stores gelu_mul(gate, up) into projection 0's Y, as store_out<.., GELU> does.
-template <bool GELU>
-__device__ __forceinline__ void w_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
-                                       const Proj &q1, const Proj &q2, const Proj &q3) {
-    extern __shared__ __align__(128) uint8_t smem[];
-    pdl_trigger();
-    pdl_wait();
-    constexpr int RT = GELU ? 64 : W_ROWS;                    // output rows per CTA
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    int b = blockIdx.x;
-    const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
-    const Proj p1 = GELU ? q1 : p0;
-    const int row0 = b * RT, t0 = blockIdx.y * W_TOK;
-    const int r = 16 * warp + g;                              // the lane's first stage row (and r + 8)
-    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    float *tot = reinterpret_cast<float *>(smem + W_STAGES * W_STAGE);    // this thread's: [e * 256 + tid]
-    w_mainloop(smem, sbase, p0.W, p1.W, GELU ? 0 : 64, p0.N, X, T, K, row0, t0, r, q, tot);
-    // D fragment of m64n128: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
-    const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the CTA's tile
-    if (GELU) {
-        __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + W_SMEM);  // [e * 128 + tid of warpgroup 0]
-        if (warp < 4) {
+            for (int e = 0; e < 64; ++e) tot[e] = __fadd_rn(tot[e], 0.f);
+        // D fragment of m64n128: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
+        if (GELU) {
+            if (wg == 0) {
+                bar_sync<2, 256>();
 #pragma unroll
-            for (int e = 0; e < 64; ++e) {
-                const int row = row0 + rr + ((e & 2) ? 8 : 0);
-                const float v = row < p0.N ? gelu_in<FMT_FP8>(p0, tot[e * 256 + threadIdx.x], row) : 0.f;
-                gate[e * 128 + threadIdx.x] = __float2bfloat16_rn(v);
+                for (int e = 0; e < 64; ++e) {
+                    const int row = row0 + rr + ((e & 2) ? 8 : 0);
+                    const float v = row < p0.N ? gelu_in<FMT_FP8>(p0, tot[e], row) : 0.f;
+                    gate[e * 128 + threadIdx.x] = __float2bfloat16_rn(v);
+                }
+                bar_arrive<1, 256>();
+            } else {
+                bar_sync<1, 256>();
+#pragma unroll
+                for (int n = 0; n < 16; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int e = 4 * n + i, row = row0 + rr + ((i & 2) ? 8 : 0);
+                        const int tok = t0 + 8 * n + 2 * q + (i & 1);
+                        if (row < p0.N && tok < T)
+                            reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + row] =
+                                gelu_mul(__bfloat162float(gate[e * 128 + threadIdx.x - 128]),
+                                         gelu_in<FMT_FP8>(q1, tot[e], row));
+                    }
+                if (tile + gridDim.x < tiles) bar_arrive<2, 256>();
             }
-        }
-        __syncthreads();
-        if (warp >= 4) {                                      // warpgroup 1: the up rows, and the stores
+        } else {
 #pragma unroll
             for (int n = 0; n < 16; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const int e = 4 * n + i, row = row0 + rr + ((i & 2) ? 8 : 0), tok = t0 + 8 * n + 2 * q + (i & 1);
-                    if (row < p0.N && tok < T)
-                        reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + row] =
-                            gelu_mul(__bfloat162float(gate[e * 128 + threadIdx.x - 128]),
-                                     gelu_in<FMT_FP8>(p1, tot[e * 256 + threadIdx.x], row));
+                    const float v = tot[e];
+                    if (row < p0.N && tok < T) store_out<FMT_FP8, false, false>(p0, p0, v, v, row, tok);
                 }
         }
-    } else {
-#pragma unroll
-        for (int n = 0; n < 16; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int e = 4 * n + i, row = row0 + rr + ((i & 2) ? 8 : 0), tok = t0 + 8 * n + 2 * q + (i & 1);
-                const float v = tot[e * 256 + threadIdx.x];
-                if (row < p0.N && tok < T) store_out<FMT_FP8, false, false>(p0, p0, v, v, row, tok);
-            }
     }
 }
 
+template <bool GELU>
+__device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
+                                        const Proj &q1, const Proj &q2, const Proj &q3) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    pdl_trigger();
+    pdl_wait();
+    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t bars = sbase + WS_BARS;
+    if (threadIdx.x < WS_STAGES) {
+        mbar_init(bars + 8 * threadIdx.x, 128);               // full: the loader's 128 threads
+        mbar_init(bars + 8 * (WS_STAGES + threadIdx.x), 8);   // empty: the 8 compute warps
+    }
+    __syncthreads();
+    if (warpgroup() == 2) {
+        regs_dec<WS_REGS_LOAD>();
+        ws_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
+        return;
+    }
+    regs_inc<WS_REGS_COMPUTE>();
+    ws_compute<GELU>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
+}
+
 // linear.cu's signature (X, T, K, 4 x (W, S, s_arg, Y, N)); FP8 e4m3 weights with a per-tensor (s_arg 0) /
-// per-channel (1) scale; block 256; requires K % 16 == 0 and 16-byte aligned X, W (the launcher checks).
-//   gemm_fp8_bf16_w: Y_p = X @ W_p^T (bf16) for projections 0..3; grid (sum_p ceil(N_p/128), ceil(T/128)), dynamic
-//     smem W_SMEM;
-//   gelu_fp8_bf16_w: projection 0 = gate, 1 = up, Y_0 = act; grid (ceil(N/64), ceil(T/128)), dynamic smem
-//     W_SMEM + W_GATE.
+// per-channel (1) scale; requires K % 16 == 0 and 16-byte aligned X, W (the launcher checks). Block WS_THREADS,
+// grid (min(tiles, SMs), 1, 1), tiles = row tiles x ceil(T / 128):
+//   gemm_fp8_bf16_ws: Y_p = X @ W_p^T (bf16) for projections 0..3; row tiles sum_p ceil(N_p / 128); dynamic smem
+//     WS_SMEM;
+//   gelu_fp8_bf16_ws: projection 0 = gate, 1 = up, Y_0 = act; row tiles ceil(N / 64); dynamic smem WS_SMEM + W_GATE.
 #define W_PARAMS                                                                                                \
     const __nv_bfloat16 *__restrict__ X, int T, int K, const void *W0, const float *S0, int sa0, void *Y0, int N0, \
         const void *W1, const float *S1, int sa1, void *Y1, int N1, const void *W2, const float *S2, int sa2,     \
         void *Y2, int N2, const void *W3, const float *S3, int sa3, void *Y3, int N3
 #define W_PROJS {{W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}}
-extern "C" __global__ void __launch_bounds__(256, 1) gemm_fp8_bf16_w(W_PARAMS) {
+extern "C" __global__ void __launch_bounds__(WS_THREADS) gemm_fp8_bf16_ws(W_PARAMS) {
     const Proj p[4] = W_PROJS;
-    w_body<false>(X, T, K, p[0], p[1], p[2], p[3]);
+    ws_body<false>(X, T, K, p[0], p[1], p[2], p[3]);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) gelu_fp8_bf16_w(W_PARAMS) {
+extern "C" __global__ void __launch_bounds__(WS_THREADS) gelu_fp8_bf16_ws(W_PARAMS) {
     const Proj p[4] = W_PROJS;
-    w_body<true>(X, T, K, p[0], p[1], p[2], p[3]);
+    ws_body<true>(X, T, K, p[0], p[1], p[2], p[3]);
 }

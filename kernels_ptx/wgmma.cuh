@@ -1,5 +1,6 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) pieces shared by linear_sm90a.cu and moe_sm90a.cu: the fences, commit and
-// wait, and m64nNk16 bf16 -> fp32 with A (64 x 16) from registers and B (16 x N) from shared memory at a descriptor.
+// wait, and m64nNk16 bf16 -> fp32 with A (64 x 16) from registers and B (16 x N) from shared memory at a descriptor;
+// the shared-memory barriers (mbarrier), named barriers and register reallocation of warp-specialized kernels.
 #pragma once
 #include <stdint.h>
 
@@ -9,6 +10,36 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N> __device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// mbarrier at shared-window address `bar`: init with the arrival count of a phase; arrive (release); wait until the
+// phase of parity `parity` has completed (acquire; a fresh barrier counts its phase "before 0", parity 1, as done).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nMBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra MBAR_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// Named barrier `id` (1..15; 0 is __syncthreads) over `n` threads: sync waits, arrive does not.
+template <int ID, int N> __device__ __forceinline__ void bar_sync() {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(N) : "memory");
+}
+template <int ID, int N> __device__ __forceinline__ void bar_arrive() {
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(N) : "memory");
+}
+// Per-thread register budget of the calling warpgroup (multiple of 8): the producer gives registers back, the
+// consumers take them.
+template <int R> __device__ __forceinline__ void regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R> __device__ __forceinline__ void regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
 // The compiler must not move reads or writes of the accumulators across a wgmma issue / wait.
 template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll

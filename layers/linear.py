@@ -22,16 +22,16 @@ PREFILL_MIN_T = 65                      # T from which a prefill tile runs (same
 # for the H200 times that set the threshold). Same bits either way. G128_MIN_T = None: `_p` only.
 G128_MIN_T = 512
 G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
-# The wgmma tile `_w` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens per CTA, the same bits as
-# every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T tokens, when the
-# launch has at least W_MIN_CTAS CTAs; W_MIN_T None: off. H200, 2026-11-30 (test_gpu_linear_prefill_timing, us,
-# `_p` / `_g128` / `_w`): T = 2048 q+k+v 687 / 503 / 320, o_proj 346 / 269 / 160, down 186 / 151 / 100; T = 512
-# q+k+v 178 / 128 / 82, o_proj 97 / 93 / 53, down 53 / 53 / 35; T = 128 q+k+v (64 CTAs) 47 / 65 / 42, but o_proj
-# and down (22 CTAs) 34 / 92 / 54 and 19 / 52 / 34: hence the CTA floor. gate_up_gelu (`_p` / `_w`, 64 rows per CTA):
-# T = 2048 356 / 181, T = 512 92 / 47, T = 128 (33 CTAs) 31 / 46.
+# The wgmma tile `_ws` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens a tile, persistent,
+# the same bits as every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T
+# tokens, when the launch has at least W_MIN_CTAS tiles; W_MIN_T None: off. H200, 2026-11-30
+# (test_gpu_linear_prefill_timing, us, `_p` / `_g128` / `_ws`): T = 2048 q+k+v 687 / 502 / 218, o_proj 345 / 269 /
+# 118, down 185 / 151 / 68, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 354 / 142; T = 512 q+k+v 178 / 128 / 58;
+# T = 128 q+k+v (64 tiles) 47 / 65 / 42, but o_proj (22 tiles) 34 / 92 / 49 and down 19 / 51 / 32: hence the floor.
 W_MIN_T, W_MIN_CTAS = 65, 64
-W_SMEM = 5 * (128 * 64 + 4 * (128 * 32 + 32)) + 64 * 4 * THREADS   # linear_sm90a.cu W_SMEM: 5 stages + slice totals
-W_GATE = 64 * 2 * 128                                              # + the gate values (gelu: 64 rows per CTA)
+W_GATE = 64 * 2 * 128                                               # gelu: + the gate values (64 rows a tile)
+WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
+WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -140,7 +140,7 @@ def _gemm_smem(kernel):
 
 def _launch(g, kernel, x, projs, gelu=False):
     """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
-    x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_w` from W_MIN_T,
+    x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_ws` from W_MIN_T,
     `_g128` from G128_MIN_T, else `_p`) or the decode family (DECODE_VARIANT) by T (same bits either way)."""
     t, k = x.shape
     rows = [n for *_, n in projs]
@@ -149,12 +149,12 @@ def _launch(g, kernel, x, projs, gelu=False):
         args += [w_ptr, s, s_arg, out, n]
     wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
     flops = 2 * t * k * sum(rows)                            # gelu: gate and up rows both
-    w_tiles = -(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)     # gelu: 64 rows (gate + up) per CTA
-    if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles * -(-t // 128) >= W_MIN_CTAS
+    w_tiles = (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // 128)   # gelu: 64 rows a tile
+    if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles >= W_MIN_CTAS
             and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
-        f = g.module('linear_sm90a').function(f'{kernel}_w')
-        g.launch(f, grid=(w_tiles, -(-t // 128), 1), block=(THREADS, 1, 1), args=args,
-                 shared=W_SMEM + (W_GATE if gelu else 0), nbytes=wbytes, flops=flops, pdl=True)
+        f = g.module('linear_sm90a').function(f'{kernel}_ws')
+        g.launch(f, grid=(min(w_tiles, g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
+                 shared=WS_SMEM + (W_GATE if gelu else 0), nbytes=wbytes, flops=flops, pdl=True)
         return
     if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
         f = g.module('linear').function(f'{kernel}_g128')
