@@ -1,5 +1,5 @@
 // The wgmma prefill tile `_ws` (sm_90a: Hopper's warpgroup MMA) for FP8 tensor / channel weights: the per-output
-// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 2.5-3x their rate
+// arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 2.3-3.2x their rate (T = 2048)
 // (BENCHMARKS.md, fifth and ninth sessions). Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu
 // (as `_p`); layers/linear.py picks it.
 //

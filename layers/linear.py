@@ -25,9 +25,9 @@ G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # The wgmma tile `_ws` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens a tile, persistent,
 # the same bits as every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T
 # tokens, when the launch has at least W_MIN_CTAS tiles; W_MIN_T None: off. H200, 2026-11-30
-# (test_gpu_linear_prefill_timing, us, `_p` / `_g128` / `_ws`): T = 2048 q+k+v 687 / 502 / 218, o_proj 345 / 269 /
-# 118, down 185 / 151 / 68, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 354 / 142; T = 512 q+k+v 178 / 128 / 58;
-# T = 128 q+k+v (64 tiles) 47 / 65 / 42, but o_proj (22 tiles) 34 / 92 / 49 and down 19 / 51 / 32: hence the floor.
+# (test_gpu_linear_prefill_timing, us, `_p` / `_g128` / `_ws`): T = 2048 q+k+v 687 / 503 / 217, o_proj 346 / 269 /
+# 118, down 184 / 150 / 67, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 352 / 139; T = 512 q+k+v 178 / 128 / 57;
+# T = 128 q+k+v (64 tiles) 47 / 64 / 29, but o_proj (22 tiles) 34 / 92 / 40 and down 19 / 51 / 24: hence the floor.
 W_MIN_T, W_MIN_CTAS = 65, 64
 W_GATE = 64 * 2 * 128                                               # gelu: + the gate values (64 rows a tile)
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
