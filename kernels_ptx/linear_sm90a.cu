@@ -85,12 +85,9 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
     }
 }
 
-#ifndef WS_STAGES
 #define WS_STAGES 8                         // unit m (counted across the CTA's tiles) uses stage m % WS_STAGES
-#endif
-#ifndef WS_LAG
 #define WS_LAG 2                            // loader: unit m's full barrier is arrived after unit m + WS_LAG is issued
-#endif                                      // (deadlock-free while WS_LAG <= WS_STAGES - 2)
+                                            // (deadlock-free while WS_LAG <= WS_STAGES - 2)
 #define WS_THREADS 384
 #define WS_BARS (WS_STAGES * W_STAGE)       // full[WS_STAGES], empty[WS_STAGES]
 #define WS_SMEM (WS_BARS + 2 * WS_STAGES * 8)   // 197,760 B dynamic smem (+ W_GATE for gelu: 214,144)
