@@ -126,9 +126,6 @@ __device__ __forceinline__ void cp_async8_full(uint32_t dst, const void *src) {
 __device__ __forceinline__ void cp_async16_full(uint32_t dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void cp_async16_s(uint32_t dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
 
 template <bool GELU>
 __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
@@ -171,7 +168,7 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const bool ok = k0 + wcol < K;
-                    cp_async16_s(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
+                    cp_async16s(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
                 }
 #pragma unroll
                 for (int kc = 0; kc < 2; ++kc)

@@ -120,9 +120,6 @@ __device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, const u
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
 }
-__device__ __forceinline__ void cp_async16s(uint32_t dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
 
 // Super unit su (X rows of the tile, the warps' weights) into the stage at shared address st. Requires K % 64 == 0
 // (16-byte packed pieces, 4-byte scale pieces; the launcher checks).
