@@ -66,22 +66,27 @@ template <int NTOK> __device__ __forceinline__ uint64_t b_desc(uint32_t st, int 
            ((uint64_t)1 << 62);
 }
 
-// A thread's cp.async pieces of every super unit.
+// A thread's cp.async pieces of every super unit, as 32-bit byte offsets from the kernel's base pointers, so that a
+// unit's loads are a few adds each (the 64-bit address arithmetic of per-piece pointers, rebuilt from the kernel
+// parameters every unit under the 128-register cap, had been ~200 of the unit loop's ~450 instructions).
 //   X: piece j (0 .. NTOK/16 - 1) = chunk c = lane & 7 of row u = tid / 8 + 32 j (see b_desc): 8 lanes copy 128
-//      contiguous bytes of a token into one 128-byte row. off[j] = element offset of the piece in X's permuted row
-//      (without the unit's 128 su), or -1 (zero fill).
+//      contiguous bytes of a token into one 128-byte row. xo[j] = byte offset of the piece in X's permuted row
+//      (unit 0); bit j of xok: a real token (else zero fill, from offset 0).
 //   W: the lane's own NVFP4 words, as WRing loads them: rows g and g + 8 (h) of its warp's 16, columns 128 su + 32 q
 //      .. + 31 (16 bytes; zeros past K) at WG_W + 16 (64 warp + 32 h + lane); the lanes with even q also copy the 4
 //      scale bytes of columns 128 su + 64 (q >> 1) .. + 63 (theirs and lane q + 1's): row (warp, h, g)'s 8 scale
 //      bytes of the unit lie at WG_S + 8 (16 warp + 8 h + g). Weights go through shared memory, not straight into
 //      registers: an LDG still in flight into a register when wgmma.fence issues makes the fence wait for it (one
 //      memory latency per unit; measured, see the header).
+// Byte offsets fit 32 bits: the launcher checks the sizes of X and of the weights.
 template <int NTOK>
 struct WgLoad {
-    int off[NTOK / 16];
+    uint32_t xo[NTOK / 16];
+    uint32_t xok;
     uint32_t xdst;                      // X piece 0's byte offset in a stage (piece j: + 4096 j)
-    const uint8_t *w, *s;               // the lane's row g: packed bytes at column 32 q, scales at column 64 (q >> 1)
-    size_t w8, s8;                      // bytes of 8 packed / 8 scale rows (row g + 8)
+    uint32_t wo, so;                    // the lane's row g: packed bytes at column 32 q, scales at column 64 (q >> 1)
+    uint32_t w8, s8;                    // bytes of 8 packed / 8 scale rows (row g + 8)
+    uint32_t wdst, sdst;                // row g's W / scale piece in a stage (row g + 8: + 512 / + 64)
     int K;
 };
 
@@ -96,49 +101,56 @@ __device__ __forceinline__ uint8_t *wg_stages(uint8_t *smem) {
     return smem + (((a + 1023) & ~1023u) - a);
 }
 
+// rowoff: the tile's X rows (element offsets, -1 = no token); wrow / srow: byte offsets of the warp's row g in the
+// packed / scale arrays.
 template <int NTOK>
-__device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, const uint8_t *wrow, const uint8_t *srow,
-                                                      int K) {
-    const int lane = threadIdx.x & 31, q = lane & 3;
+__device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, uint32_t wrow, uint32_t srow, int K) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
     WgLoad<NTOK> L;
     const int c = lane & 7, u0 = threadIdx.x >> 3;
+    L.xok = 0;
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
         const int u = u0 + 32 * j, t = u % NTOK, h = u / NTOK;
         const int ro = rowoff[t];
-        L.off[j] = ro >= 0 ? ro + 64 * h + 8 * c : -1;
+        L.xo[j] = ro >= 0 ? 2u * (uint32_t)(ro + 64 * h + 8 * c) : 0u;
+        L.xok |= (ro >= 0 ? 1u : 0u) << j;
     }
     L.xdst = 128 * u0 + 16 * (c ^ (u0 & 7));
-    L.w = wrow + 16 * q;
-    L.s = srow + 4 * (q >> 1);
-    L.w8 = (size_t)8 * (K >> 1);
-    L.s8 = (size_t)8 * (K >> 4);
+    L.wo = wrow + 16 * q;
+    L.so = srow + 4 * (q >> 1);
+    L.w8 = 8u * (uint32_t)(K >> 1);
+    L.s8 = 8u * (uint32_t)(K >> 4);
+    L.wdst = WG_W(NTOK) + 16 * (64 * warp + lane);
+    L.sdst = WG_S(NTOK) + 8 * (16 * warp + g) + 4 * (q >> 1);
     L.K = K;
     return L;
 }
 
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void *src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
+// 4 bytes, only where p (no branch: the odd-q lanes issue nothing).
+__device__ __forceinline__ void cp_async4_if(uint32_t dst, const void *src, uint32_t n, bool p) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 4, %2;\n\t}\n"
+                 ::"r"(dst), "l"(src), "r"(n), "r"((uint32_t)p) : "memory");
 }
 
 // Super unit su (X rows of the tile, the warps' weights) into the stage at shared address st. Requires K % 64 == 0
 // (16-byte packed pieces, 4-byte scale pieces; the launcher checks).
 template <int NTOK>
-__device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st, const bf16 *X, int su) {
+__device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st, const uint8_t *X,
+                                              const uint8_t *W, const uint8_t *S, int su) {
+    const uint32_t xu = 256u * su;
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
-        const bool ok = L.off[j] >= 0;
-        cp_async16s(st + L.xdst + 4096 * j, ok ? (const void *)(X + L.off[j] + 128 * su) : (const void *)X, ok);
+        const bool ok = (L.xok >> j) & 1u;
+        cp_async16s(st + L.xdst + 4096 * j, X + (L.xo[j] + xu), ok);
     }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
+    const int q = threadIdx.x & 3;
     const bool wok = 128 * su + 32 * q < L.K, sok = 128 * su + 64 * (q >> 1) < L.K;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        cp_async16s(st + WG_W(NTOK) + 16 * (64 * warp + 32 * h + lane), wok ? L.w + h * L.w8 + 64 * su : L.w, wok);
-        if (!(q & 1))
-            cp_async4(st + WG_S(NTOK) + 8 * (16 * warp + 8 * h + g) + 4 * (q >> 1),
-                      sok ? L.s + h * L.s8 + 8 * su : L.s, sok);
-    }
+    const uint32_t wu = L.wo + 64u * su, su8 = L.so + 8u * su;
+    cp_async16s(st + L.wdst, W + wu, wok);
+    cp_async16s(st + L.wdst + 512, W + (wu + L.w8), wok);
+    cp_async4_if(st + L.sdst, S + su8, sok ? 4u : 0u, !(q & 1));
+    cp_async4_if(st + L.sdst + 64, S + (su8 + L.s8), sok ? 4u : 0u, !(q & 1));
 }
 
 // The A fragments of the unit in the stage at generic address sp for the warp's 16 rows: steps 2m, 2m + 1 from word
@@ -173,14 +185,16 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 // A fragments decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). Leaves no
 // cp.async group or wgmma pending, and the stages free (barrier).
 template <int NTOK, int ST>
-__device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *X, const int *rowoff, const uint8_t *wrow,
-                                            const uint8_t *srow, int K, float (&tot)[NTOK / 2]) {
+__device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, const uint8_t *W,
+                                            const uint8_t *S, uint32_t wrow, uint32_t srow, int K,
+                                            float (&tot)[NTOK / 2]) {
+    const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
     const int nsu = (K + 127) >> 7;
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, wrow, srow, K);
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-        if (s < nsu) wg_stage_load<NTOK>(L, sbase + s * WG_STAGE(NTOK), X, s);
+        if (s < nsu) wg_stage_load<NTOK>(L, sbase + s * WG_STAGE(NTOK), X, W, S, s);
         cp_async_commit_();
     }
     float part[NTOK / 2];
@@ -202,7 +216,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *X, const 
             fence_proxy_async();                              // ... and are visible to the tensor cores
             __syncthreads();                                  // everyone's; unit su - 1's wgmmas are done
             if (su + ST - 1 < nsu)                            // into unit su - 1's stage
-                wg_stage_load<NTOK>(L, sbase + ((su + ST - 1) % ST) * WG_STAGE(NTOK), X, su + ST - 1);
+                wg_stage_load<NTOK>(L, sbase + ((su + ST - 1) % ST) * WG_STAGE(NTOK), X, W, S, su + ST - 1);
             cp_async_commit_();                               // (maybe empty) keeps the group count uniform
         }
         wg_wait<0>();
@@ -242,12 +256,12 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
     const bool live = nn < I;
     const int n0 = live ? nn : I - 16;
     const int Hp = (H + 127) & ~127, Ip = (I + 127) & ~127;
-    const size_t row = (size_t)e * I + n0 + g;
+    const uint32_t row = (uint32_t)(e * I + n0 + g);
     for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (perm[q0 + i] / k) * Hp : -1;
     __syncthreads();
     float tot[NTOK / 2];
-    wg_mainloop<NTOK, ST>(stages, xp, rowoff, (proj ? uw : gw) + row * (H >> 1), (proj ? us : gs) + row * (H >> 4), H,
-                          tot);
+    wg_mainloop<NTOK, ST>(stages, xp, rowoff, proj ? uw : gw, proj ? us : gs, row * (uint32_t)(H >> 1),
+                          row * (uint32_t)(H >> 4), H, tot);
     float *xch = reinterpret_cast<float *>(stages);           // [i * 128 + thread of warpgroup 0]
     if (proj == 0) {
 #pragma unroll
@@ -294,11 +308,11 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     const bool live = nn < H;
     const int n0 = live ? nn : H - 16;
     const int Ip = (I + 127) & ~127;
-    const size_t row = (size_t)e * H + n0 + g;
+    const uint32_t row = (uint32_t)(e * H + n0 + g);
     for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (q0 + i) * Ip : -1;
     __syncthreads();
     float tot[NTOK / 2];
-    wg_mainloop<NTOK, ST>(stages, up, rowoff, dw + row * (I >> 1), ds + row * (I >> 4), I, tot);
+    wg_mainloop<NTOK, ST>(stages, up, rowoff, dw, ds, row * (uint32_t)(I >> 1), row * (uint32_t)(I >> 4), I, tot);
     if (!live) return;
     const float *gd = gsc + ((size_t)e * 3 + 2) * 2;
 #pragma unroll

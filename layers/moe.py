@@ -405,8 +405,10 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
     tiles, xp, up = ws.get("tiles"), ws.get("xp"), ws.get("up")
     if tiles is None or tiles.shape[0] < maxt or xp is None or xp.shape[0] < T or up is None or up.shape[0] < P:
         raise ValueError(f"workspace too small for the wgmma path at T={T} (build it with moe_workspace)")
-    if max(T * Hp, P * Ip) >= 2 ** 31:
-        raise ValueError(f"moe: the wgmma path needs T*Hp and P*Ip < 2^31 (T={T}, k={k}, H={H}, I={I})")
+    if max(T * Hp, P * Ip) >= 2 ** 31 or E * I * H // 2 >= 2 ** 32:
+        # the kernels address x / u and each weight array by 32-bit byte offsets
+        raise ValueError(f"moe: the wgmma path needs T*Hp, P*Ip < 2^31 and E*I*H/2 < 2^32 "
+                         f"(T={T}, k={k}, E={E}, H={H}, I={I})")
     mw = g.module("moe_sm90a")
     shared = _wg_shared(ntok, stages)
     return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles)),
