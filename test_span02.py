@@ -5485,12 +5485,20 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
 
 
 def all_paths(g, ex, x, w, idx):
-    """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one."""
+    """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one, the
+    64-token one also with 1 and 3 row blocks a down CTA (the default is moe.WG_DOWN_BLOCKS)."""
     res = {"auto": run2(g, ex, x, w, idx), "direct": run2(g, ex, x, w, idx, path="direct")}
     for nt in moe._NT_CHOICES:
         res[f"grouped_n{nt}"] = run2(g, ex, x, w, idx, path="grouped", nt=nt)
     for nt in wg_nts(g, ex):
         res[f"wgmma_{8 * nt}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+    default = moe.WG_DOWN_BLOCKS
+    try:
+        for nbd in (1, 3) if wg_nts(g, ex) else ():
+            moe.WG_DOWN_BLOCKS = nbd
+            res[f"wgmma_64_down_blocks{nbd}"] = run2(g, ex, x, w, idx, path="wgmma", nt=8)
+    finally:
+        moe.WG_DOWN_BLOCKS = default
     return res
 
 
@@ -5724,11 +5732,14 @@ def test_moe_path_choice():
         assert names == ["group_tiles", "permute_x", f"gate_up_wg{ntok}", f"down_wg{ntok}", "combine"], names
         P, maxt = T * k, moe._max_tiles(E, T * k, ntok)
         stages = {32: 5, 64: 4}[ntok]
-        shared = 1024 + stages * (256 * ntok + 9216) + 512      # align, stages (x rows, weights, scales), row offsets
+        # align, stages (x rows, weights, scales), the tile's row offsets / pair positions / weights, global scales
+        shared = 1024 + stages * (256 * ntok + 9216) + 12 * ntok + 32
         assert launches[0][0] == "moe.moe_group_tiles"
         assert launches[1][:2] == ("moe_sm90a.moe_permute_x", (6, T))          # 2 columns a thread
+        nbd = moe.WG_DOWN_BLOCKS                                     # 128-row blocks a down CTA: 22 of them
         assert launches[2] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[2]
-        assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (22, maxt), shared, 2 * P * I * H), launches[3]
+        assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \
+            launches[3]
     assert all(2 * (moe._wg_shared(*v) + 1024) <= 228 * 1024 for v in moe._WG_KERNELS.values())   # + 1 KiB reserved
     assert plan(512, capability=(8, 9))[0][1] == "gate_up_mma_n4"
     assert plan(512, path="wgmma", nt=4)[0][2] == "gate_up_wg32"

@@ -84,8 +84,6 @@ struct WgLoad {
     uint32_t xo[NTOK / 16];
     uint32_t xok;
     uint32_t xdst;                      // X piece 0's byte offset in a stage (piece j: + 4096 j)
-    uint32_t wo, so;                    // the lane's row g: packed bytes at column 32 q, scales at column 64 (q >> 1)
-    uint32_t w8, s8;                    // bytes of 8 packed / 8 scale rows (row g + 8)
     uint32_t wdst, sdst;                // row g's W / scale piece in a stage (row g + 8: + 512 / + 64)
     int K;
 };
@@ -94,17 +92,20 @@ struct WgLoad {
 #define WG_S(NTOK) (256 * (NTOK) + 8192)
 #define WG_STAGE(NTOK) (256 * (NTOK) + 9216)
 // Dynamic shared memory: up to 1 KB to align the stages to 1024 bytes (the swizzled layout's atoms), the stages,
-// then the NTOK row offsets (int).
-#define WG_SMEM(NTOK, ST) (1024 + (ST) * WG_STAGE(NTOK) + 512)
+// then the tile's NTOK row offsets (int), for the down projection its NTOK pair positions (int) and weights, then
+// the expert's 6 global scale factors (gsc, 8 floats' room): the epilogues read no global memory but the outputs'.
+#define WG_SMEM(NTOK, ST) (1024 + (ST) * WG_STAGE(NTOK) + 12 * (NTOK) + 32)
+template <int NTOK> __device__ __forceinline__ float *wg_gsc(int *rowoff) {
+    return reinterpret_cast<float *>(rowoff + 3 * NTOK);
+}
 __device__ __forceinline__ uint8_t *wg_stages(uint8_t *smem) {
     const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     return smem + (((a + 1023) & ~1023u) - a);
 }
 
-// rowoff: the tile's X rows (element offsets, -1 = no token); wrow / srow: byte offsets of the warp's row g in the
-// packed / scale arrays.
+// rowoff: the tile's X rows (element offsets, -1 = no token).
 template <int NTOK>
-__device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, uint32_t wrow, uint32_t srow, int K) {
+__device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
     WgLoad<NTOK> L;
     const int c = lane & 7, u0 = threadIdx.x >> 3;
@@ -117,10 +118,6 @@ __device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, uint32_
         L.xok |= (ro >= 0 ? 1u : 0u) << j;
     }
     L.xdst = 128 * u0 + 16 * (c ^ (u0 & 7));
-    L.wo = wrow + 16 * q;
-    L.so = srow + 4 * (q >> 1);
-    L.w8 = 8u * (uint32_t)(K >> 1);
-    L.s8 = 8u * (uint32_t)(K >> 4);
     L.wdst = WG_W(NTOK) + 16 * (64 * warp + lane);
     L.sdst = WG_S(NTOK) + 8 * (16 * warp + g) + 4 * (q >> 1);
     L.K = K;
@@ -133,11 +130,18 @@ __device__ __forceinline__ void cp_async4_if(uint32_t dst, const void *src, uint
                  ::"r"(dst), "l"(src), "r"(n), "r"((uint32_t)p) : "memory");
 }
 
-// Super unit su (X rows of the tile, the warps' weights) into the stage at shared address st. Requires K % 64 == 0
-// (16-byte packed pieces, 4-byte scale pieces; the launcher checks).
+// The lane's two weight rows (A rows g and g + 8 of its warp's 16, h = 0 / 1): packed bytes w[h] + wo[h] at column
+// 32 q, scales s[h] + so[h] at column 64 (q >> 1).
+struct WgRows {
+    const uint8_t *w[2], *s[2];
+    uint32_t wo[2], so[2];
+};
+
+// Super unit su (X rows of the tile, the warps' weights R) into the stage at shared address st. Requires K % 64 ==
+// 0 (16-byte packed pieces, 4-byte scale pieces; the launcher checks).
 template <int NTOK>
-__device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st, const uint8_t *X,
-                                              const uint8_t *W, const uint8_t *S, int su) {
+__device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st, const uint8_t *X, const WgRows &R,
+                                              int su) {
     const uint32_t xu = 256u * su;
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
@@ -146,11 +150,11 @@ __device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st
     }
     const int q = threadIdx.x & 3;
     const bool wok = 128 * su + 32 * q < L.K, sok = 128 * su + 64 * (q >> 1) < L.K;
-    const uint32_t wu = L.wo + 64u * su, su8 = L.so + 8u * su;
-    cp_async16s(st + L.wdst, W + wu, wok);
-    cp_async16s(st + L.wdst + 512, W + (wu + L.w8), wok);
-    cp_async4_if(st + L.sdst, S + su8, sok ? 4u : 0u, !(q & 1));
-    cp_async4_if(st + L.sdst + 64, S + (su8 + L.s8), sok ? 4u : 0u, !(q & 1));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        cp_async16s(st + L.wdst + 512 * h, R.w[h] + (R.wo[h] + 64u * su), wok);
+        cp_async4_if(st + L.sdst + 64 * h, R.s[h] + (R.so[h] + 8u * su), sok ? 4u : 0u, !(q & 1));
+    }
 }
 
 // The A fragments of the unit in the stage at generic address sp for the warp's 16 rows: steps 2m, 2m + 1 from word
@@ -177,27 +181,40 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
     }
 }
 
-// tot (registers: the warpgroup's 64 rows x NTOK tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8
-// for i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order,
-// of the warp's weight rows (wrow / srow: row g's packed / scale bytes) against the tile's rows of X (rowoff), ST
-// stages. Per unit: its 8 steps are issued into the zeroed partial (A decoded before); while they run, the next
-// unit's stage is waited for and the previous unit's stage refilled; then the partial is added and the next unit's
-// A fragments decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). Leaves no
-// cp.async group or wgmma pending, and the stages free (barrier).
-template <int NTOK, int ST>
-__device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, const uint8_t *W,
-                                            const uint8_t *S, uint32_t wrow, uint32_t srow, int K,
-                                            float (&tot)[NTOK / 2]) {
+// For each of nb blocks of weight rows (rows(b, R) sets the lane's two rows of block b, WgRows), in order: tot
+// (registers: the warpgroup's 64 rows x NTOK tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8 for
+// i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order, of
+// the block's rows against the tile's rows of X (rowoff); then epi(b, tot). ST stages run through the blocks' units as one
+// sequence, so a block's first stages load while the one before finishes (no pipeline fill a block). Per unit: its
+// 8 steps are issued into the zeroed partial (A decoded before); while they run, the next unit's stage is waited
+// for and the previous unit's stage refilled; then the partial is added and the next unit's A fragments decoded
+// (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block runs with
+// no cp.async group or wgmma pending and the stages free (barrier before it); the others run between units, with
+// stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop compiled).
+template <int NTOK, int ST, bool MULTI, class Rows, class Epi>
+__device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, int K, int nb,
+                                            Rows rows, Epi epi) {
     const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
-    const int nsu = (K + 127) >> 7;
+    const int nsu = (K + 127) >> 7, nv = nb * nsu;
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, wrow, srow, K);
+    const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, K);
+    // the next unit to load: unit ls of block lb (rows R)
+    int ls = 0, lb = 0;
+    WgRows R;
+    rows(0, R);
+    auto load_next = [&](int v) {
+        wg_stage_load<NTOK>(L, sbase + (v % ST) * WG_STAGE(NTOK), X, R, ls);
+        if (++ls == nsu && ++lb < nb) {
+            ls = 0;
+            rows(lb, R);
+        }
+    };
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-        if (s < nsu) wg_stage_load<NTOK>(L, sbase + s * WG_STAGE(NTOK), X, W, S, s);
+        if (s < nv) load_next(s);
         cp_async_commit_();
     }
-    float part[NTOK / 2];
+    float part[NTOK / 2], tot[NTOK / 2];
 #pragma unroll
     for (int i = 0; i < NTOK / 2; ++i) tot[i] = part[i] = 0.f;
     uint32_t a[8][4];
@@ -205,18 +222,18 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
     fence_proxy_async();
     __syncthreads();
     wg_a<NTOK>(smem, a);
-    for (int su = 0; su < nsu; ++su) {
+    int su = 0, b = 0;
+    for (int v = 0; v < nv; ++v) {
         wg_fence();
         fence_acc(part);
 #pragma unroll
-        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc<NTOK>(sbase + (su % ST) * WG_STAGE(NTOK), s));
+        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc<NTOK>(sbase + (v % ST) * WG_STAGE(NTOK), s));
         wg_commit();
-        if (su + 1 < nsu) {
-            cp_async_wait_<ST - 3>();                         // this thread's pieces of unit su + 1 have landed
+        if (v + 1 < nv) {
+            cp_async_wait_<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
             fence_proxy_async();                              // ... and are visible to the tensor cores
-            __syncthreads();                                  // everyone's; unit su - 1's wgmmas are done
-            if (su + ST - 1 < nsu)                            // into unit su - 1's stage
-                wg_stage_load<NTOK>(L, sbase + ((su + ST - 1) % ST) * WG_STAGE(NTOK), X, W, S, su + ST - 1);
+            __syncthreads();                                  // everyone's; unit v - 1's wgmmas are done
+            if (v + ST - 1 < nv) load_next(v + ST - 1);       // into unit v - 1's stage
             cp_async_commit_();                               // (maybe empty) keeps the group count uniform
         }
         wg_wait<0>();
@@ -226,18 +243,34 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
             tot[i] = __fadd_rn(tot[i], part[i]);
             part[i] = 0.f;
         }
-        if (su + 1 < nsu) wg_a<NTOK>(smem + ((su + 1) % ST) * WG_STAGE(NTOK), a);
+        if (MULTI && ++su == nsu && v + 1 < nv) {             // block b done, another follows
+            epi(b, tot);
+#pragma unroll
+            for (int i = 0; i < NTOK / 2; ++i) tot[i] = 0.f;
+            su = 0;
+            ++b;
+        }
+        if (v + 1 < nv) wg_a<NTOK>(smem + ((v + 1) % ST) * WG_STAGE(NTOK), a);
     }
     cp_async_wait_<0>();
     __syncthreads();                                          // the stages may be reused
+    epi(b, tot);
 }
 
-// gate/up: grid (ceil(I / 64), max_tiles), block 256, tile blockIdx.y (exit if >= n_tiles). Warpgroup 0 computes
-// the gate rows n0 .. n0 + 63 (n0 = 64 blockIdx.x), warpgroup 1 the up rows of the same outputs; warps past I
-// compute a copy of the last 16 rows and store nothing. x rows: xp (T, Hp), token perm[q] / k.
-// up[q, pos] = bf16(gate_up_out(gate . x, up . x)) for the tile's grouped positions q, in the permuted order (row
-// stride Ip = 128 ceil(I / 128)); the last column block's CTA also writes the zeros of the columns I .. Ip - 1.
-// Dynamic smem WG_SMEM(NTOK, ST).
+// The lane's byte offsets of weight row r (of K columns): packed at column 32 q, scales at column 64 (q >> 1).
+__device__ __forceinline__ void wg_row(uint32_t r, int K, uint32_t &wo, uint32_t &so) {
+    const int q = threadIdx.x & 3;
+    wo = r * (uint32_t)(K >> 1) + 16 * q;
+    so = r * (uint32_t)(K >> 4) + 4 * (q >> 1);
+}
+
+// gate/up: grid (I / 64, max_tiles), block 256, tile blockIdx.y (exit if >= n_tiles). Warp w computes the outputs
+// n = 64 blockIdx.x + 8 w + g: its A rows g are gate row n, its rows g + 8 up row n, so that each thread holds
+// gate . x and up . x of the same outputs (no exchange between warps; at T = 2048, 450 -> 433 us against gate in
+// one warpgroup and up in the other, which paired them through shared memory). x rows: xp (T, Hp),
+// token perm[q] / k. up[q, pos] = bf16(gate_up_out(gate . x, up . x)) for the tile's grouped positions q, in the
+// permuted order (row stride Ip = 128 ceil(I / 128)); the last CTA of a tile also writes the zeros of the columns I
+// .. Ip - 1. Dynamic smem WG_SMEM(NTOK, ST). Requires I % 64 == 0 (the launcher checks).
 template <int NTOK, int ST>
 __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, const int *__restrict__ perm,
                                                 const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
@@ -252,34 +285,29 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
     const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int proj = warp >> 2, nn = blockIdx.x * 64 + 16 * (warp & 3);
-    const bool live = nn < I;
-    const int n0 = live ? nn : I - 16;
     const int Hp = (H + 127) & ~127, Ip = (I + 127) & ~127;
-    const uint32_t row = (uint32_t)(e * I + n0 + g);
+    float *g6 = wg_gsc<NTOK>(rowoff);
     for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (perm[q0 + i] / k) * Hp : -1;
+    if (threadIdx.x < 6) g6[threadIdx.x] = gsc[(size_t)e * 6 + threadIdx.x];
     __syncthreads();
-    float tot[NTOK / 2];
-    wg_mainloop<NTOK, ST>(stages, xp, rowoff, proj ? uw : gw, proj ? us : gs, row * (uint32_t)(H >> 1),
-                          row * (uint32_t)(H >> 4), H, tot);
-    float *xch = reinterpret_cast<float *>(stages);           // [i * 128 + thread of warpgroup 0]
-    if (proj == 0) {
+    const int n = blockIdx.x * 64 + 8 * warp + g;            // the lane's output
+    auto rows = [&](int, WgRows &R) {
+        R.w[0] = gw; R.w[1] = uw; R.s[0] = gs; R.s[1] = us;
+        wg_row((uint32_t)(e * I + n), H, R.wo[0], R.so[0]);
+        R.wo[1] = R.wo[0]; R.so[1] = R.so[0];
+    };
+    auto epi = [&](int, float (&tot)[NTOK / 2]) {
+        bf16 *col = up + (size_t)q0 * Ip + (n & ~127) + perm_pos(n & 127);
 #pragma unroll
-        for (int i = 0; i < NTOK / 2; ++i) xch[i * 128 + threadIdx.x] = tot[i];
-    }
-    __syncthreads();
-    if (proj == 1 && live) {
-        const float *gg = gsc + ((size_t)e * 3 + 0) * 2, *gu = gsc + ((size_t)e * 3 + 1) * 2;
+        for (int j = 0; j < NTOK / 8; ++j)
 #pragma unroll
-        for (int n = 0; n < NTOK / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int tok = 8 * n + 2 * q + (i & 1), r = n0 + g + ((i & 2) ? 8 : 0);
+            for (int c = 0; c < 2; ++c) {
+                const int tok = 8 * j + 2 * q + c;
                 if (tok < nq)
-                    up[(size_t)(q0 + tok) * Ip + (r & ~127) + perm_pos(r & 127)] = __float2bfloat16_rn(
-                        gate_up_out(xch[(4 * n + i) * 128 + threadIdx.x - 128], tot[4 * n + i], gg, gu));
+                    col[(size_t)tok * Ip] = __float2bfloat16_rn(gate_up_out(tot[4 * j + c], tot[4 * j + 2 + c], g6, g6 + 2));
             }
-    }
+    };
+    wg_mainloop<NTOK, ST, false>(stages, xp, rowoff, H, 1, rows, epi);
     if (blockIdx.x == gridDim.x - 1)                          // the padding columns I .. Ip - 1 read as zeros
         for (int i = threadIdx.x; i < nq * (Ip - I); i += blockDim.x) {
             const int tok = i / (Ip - I), r = I + i % (Ip - I);
@@ -287,47 +315,63 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
         }
 }
 
-// down: grid (ceil(H / 128), max_tiles), block 256; warpgroup w owns output rows 128 blockIdx.x + 64 w .. + 63
-// (warps past H compute a copy of the last 16 rows and store nothing); u rows of the tile: up (P, Ip) grouped
-// positions q0 .. q0 + nq - 1. o[p, n] = bf16((down_e[n] . u[q] / g_down) * w[p]), p = perm[q], in PAIR order
-// (moe.cu's down_grouped_body); moe_combine_bf16 sums the slots.
+// down: grid (ceil(ceil(H / 128) / nbk), max_tiles), block 256; the CTA runs the 128-row blocks nbk blockIdx.x ..
+// + nbk - 1 (those below H) of tile blockIdx.y one after the other through one stage ring; in block c, warpgroup w
+// owns output rows 128 c + 64 w .. + 63 (warps past H compute a copy of the last 16 rows and store nothing); u rows
+// of the tile: up (P, Ip) grouped positions q0 .. q0 + nq - 1. o[p, n] = bf16((down_e[n] . u[q] / g_down) * w[p]),
+// p = perm[q], in PAIR order (moe.cu's down_grouped_body); moe_combine_bf16 sums the slots. The tile's p and w[p]
+// are staged in shared memory beside the row offsets (with the global scales), so the stores wait on no global
+// load: at T = 2048 this took the launch from 348 to 293 us (BENCHMARKS.md, tenth session).
 template <int NTOK, int ST>
 __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const int *__restrict__ perm,
                                              const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
                                              const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,
                                              const float *__restrict__ gsc, const float *__restrict__ weights,
-                                             bf16 *__restrict__ o, int H, int I) {
+                                             bf16 *__restrict__ o, int H, int I, int nbk) {
     extern __shared__ __align__(128) uint8_t smem_wg[];
     uint8_t *stages = wg_stages(smem_wg);
     int *rowoff = reinterpret_cast<int *>(stages + ST * WG_STAGE(NTOK));
+    int *pos = rowoff + NTOK;
+    float *wt = reinterpret_cast<float *>(pos + NTOK), *g6 = wg_gsc<NTOK>(rowoff);
     if ((int)blockIdx.y >= n_tiles[0]) return;
     const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int nn = blockIdx.x * 128 + 16 * warp;
-    const bool live = nn < H;
-    const int n0 = live ? nn : H - 16;
+    const int c0 = blockIdx.x * nbk, nb = min(nbk, (H + 127) / 128 - c0);
     const int Ip = (I + 127) & ~127;
-    const uint32_t row = (uint32_t)(e * H + n0 + g);
-    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (q0 + i) * Ip : -1;
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) {
+        const int p = i < nq ? perm[q0 + i] : 0;
+        rowoff[i] = i < nq ? (q0 + i) * Ip : -1;
+        pos[i] = p;
+        wt[i] = i < nq ? weights[p] : 0.f;
+    }
+    if (threadIdx.x < 6) g6[threadIdx.x] = gsc[(size_t)e * 6 + threadIdx.x];
     __syncthreads();
-    float tot[NTOK / 2];
-    wg_mainloop<NTOK, ST>(stages, up, rowoff, dw, ds, row * (uint32_t)(I >> 1), row * (uint32_t)(I >> 4), I, tot);
-    if (!live) return;
-    const float *gd = gsc + ((size_t)e * 3 + 2) * 2;
+    const float *gd = g6 + 4;
+    auto first = [&](int b) { return (c0 + b) * 128 + 16 * warp; };      // the warp's first row in block b
+    auto epi = [&](int b, float (&tot)[NTOK / 2]) {
+        const int n0 = first(b);
+        if (n0 >= H) return;
 #pragma unroll
-    for (int n = 0; n < NTOK / 8; ++n)
+        for (int n = 0; n < NTOK / 8; ++n)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const int tok = 8 * n + 2 * q + c;
-            if (tok < nq) {
-                const int p = perm[q0 + tok];
-                const float w = weights[p];
-                bf16 *orow = o + (size_t)p * H + n0 + g;
-                orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
-                orow[8] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + 2 + c], gd), w));
+            for (int c = 0; c < 2; ++c) {
+                const int tok = 8 * n + 2 * q + c;
+                if (tok < nq) {
+                    const float w = wt[tok];
+                    bf16 *orow = o + (size_t)pos[tok] * H + n0 + g;
+                    orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
+                    orow[8] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + 2 + c], gd), w));
+                }
             }
-        }
+    };
+    auto rows = [&](int b, WgRows &R) {
+        R.w[0] = R.w[1] = dw; R.s[0] = R.s[1] = ds;
+        wg_row((uint32_t)(e * H + min(first(b), H - 16) + g), I, R.wo[0], R.so[0]);
+        R.wo[1] = R.wo[0] + 8u * (uint32_t)(I >> 1);          // row g + 8
+        R.so[1] = R.so[0] + 8u * (uint32_t)(I >> 4);
+    };
+    wg_mainloop<NTOK, ST, true>(stages, up, rowoff, I, nb, rows, epi);
 }
 
 // Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); moe.cu's grouped signatures, with xp /
@@ -346,9 +390,10 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
         const bf16 *__restrict__ up, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
         const int *__restrict__ n_tiles, const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,          \
-        const float *__restrict__ gsc, const float *__restrict__ weights, bf16 *__restrict__ o, int H, int I) {   \
+        const float *__restrict__ gsc, const float *__restrict__ weights, bf16 *__restrict__ o, int H, int I,     \
+        int nbk) {                                                                                                \
         pdl_entry();                                                                                              \
-        down_wg_body<NTOK, ST>(up, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I);                          \
+        down_wg_body<NTOK, ST>(up, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I, nbk);                     \
     }
 GU_WG(moe_gate_up_wg32, 32, 5)
 GU_WG(moe_gate_up_wg64, 64, 4)

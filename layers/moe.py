@@ -369,10 +369,17 @@ def _pad128(n):
     return (n + 127) // 128 * 128
 
 
+# 128-row blocks of the down projection one CTA runs through one stage ring (moe_down_wg*'s nbk). H200, T = 2048,
+# us at 1 / 2 / 3: 292.8 / 281.7 / 281.7 (nbk = 2 for gate/up's 64-output blocks was slower: 433 -> 447; BENCHMARKS.md,
+# tenth session)
+WG_DOWN_BLOCKS = 2
+
+
 def _wg_shared(ntok, stages):
     """Dynamic shared bytes of the wgmma kernels (moe_sm90a.cu WG_SMEM): 1 KiB to align the stages, the stages (x
-    rows: 256 B a token; the weights: 8 KiB packed + 1 KiB scales), the row offsets."""
-    return 1024 + stages * (256 * ntok + 9216) + 512
+    rows: 256 B a token; the weights: 8 KiB packed + 1 KiB scales), the tile's row offsets, pair positions and
+    weights (4 B each a token), the expert's global scales (32 B)."""
+    return 1024 + stages * (256 * ntok + 9216) + 12 * ntok + 32
 
 
 def wg_fits(H, I):
@@ -411,18 +418,19 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                          f"(T={T}, k={k}, E={E}, H={H}, I={I})")
     mw = g.module("moe_sm90a")
     shared = _wg_shared(ntok, stages)
+    nbd = WG_DOWN_BLOCKS
     return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles)),
             ("permute_x", lambda: g.launch(
                 mw.function("moe_permute_x"), grid=((Hp + 511) // 512, T), block=(256,), args=[x, xp, H, Hp],
                 nbytes=2 * T * (H + Hp))),
             (f"gate_up_{kern}", lambda: g.launch(
-                mw.function(f"moe_gate_up_{kern}"), grid=((I + 63) // 64, maxt), block=(256,),
+                mw.function(f"moe_gate_up_{kern}"), grid=(I // 64, maxt), block=(256,),
                 args=[xp, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], up,
                       H, I, k], shared=shared, flops=4 * P * I * H)),
             (f"down_{kern}", lambda: g.launch(
-                mw.function(f"moe_down_{kern}"), grid=((H + 127) // 128, maxt), block=(256,),
-                args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I],
-                shared=shared, flops=2 * P * I * H)),
+                mw.function(f"moe_down_{kern}"), grid=(-(-((H + 127) // 128) // nbd), maxt), block=(256,),
+                args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I,
+                      nbd], shared=shared, flops=2 * P * I * H)),
             ("combine", lambda: _combine(g, ws, idx, out, T, H, k, E))]
 
 
