@@ -1,7 +1,7 @@
 // The NVFP4 experts on Hopper's wgmma (sm_90a): moe.cu's grouped path (moe_gate_up_mma_n* -> moe_down_mma_n*) with
 // the same per-output arithmetic, bit for bit (moe_common.cuh states it), on warpgroup MMAs. layers/moe.py runs it
-// on sm_90 from WG_MIN_T tokens (path "wgmma"); at T = 2048 its two expert kernels take 1,000 us per layer against
-// the grouped path's 1,260 (BENCHMARKS.md, sixth session).
+// on sm_90 from WG_MIN_T tokens (path "wgmma"); at T = 2048 its two expert kernels take 710 us per layer against
+// the grouped path's 1,233 (BENCHMARKS.md, tenth session).
 //
 // Why the bits are the same: wgmma m64nNk16 with A from registers and B from shared memory computes each k16 step
 // exactly as mma.sync m16n8k16 with the same fragments (measured on the H200, 2026-11-30: linear_sm90a.cu's
@@ -18,14 +18,18 @@
 // exactly as nvfp4_mma_run does.
 //
 // CTA: 2 warpgroups (256 threads), one tile (expert e, grouped positions q0 .. q0 + nq - 1, nq <= NTOK) of
-// moe_group_tiles with TS = NTOK. Warp w of a warpgroup owns 16 weight rows; the warpgroup's 64 rows are wgmma's M,
-// the tile's tokens its N. A cp.async pipeline of ST super units brings each stage's activation rows (128-byte
+// moe_group_tiles with TS = NTOK. Warp w of a warpgroup owns 16 weight rows (its A rows g and g + 8); the
+// warpgroup's 64 rows are wgmma's M, the tile's tokens its N. A cp.async pipeline of ST super units brings each stage's activation rows (128-byte
 // swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded from shared memory.
 // What the speed came from (H200, same call each, T = 2048 gate_up + down): the first version (no swizzle, weights
 // loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (718 + 541); weights through
 // shared memory (a register load in flight makes wgmma.fence wait for it) 915 + 752; 128-byte swizzle for the
 // activations 662 + 583; one A buffer and <= 128 registers, so that 2 CTAs share an SM and hide each other's waits
-// (the decisive step) 603 + 397 at 64 tokens per tile with 4 stages.
+// (the decisive step) 603 + 397 at 64 tokens per tile with 4 stages. Tenth session (the same test, another call;
+// the kernels are issue-bound, so instructions pay): 531 + 372 before; the stage loads from 32-bit byte offsets,
+// not per-piece 64-bit pointers that ptxas rebuilt from the parameters every unit under the 128-register cap (the
+// unit loop 446 -> 331 SASS instructions) 453 + 346; no global load in the epilogues, gate and up rows of an
+// output in one warp, 2 down blocks a CTA: 426 + 284.
 #include <cuda_bf16.h>
 #include <stdint.h>
 

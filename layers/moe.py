@@ -356,9 +356,9 @@ def _combine(g, ws, idx, out, T, H, k, E):
 #   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
 #   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
 #   warpgroup MMAs (m64n{8nt}k16): each tile decodes its expert's weights once for up to 8*nt tokens. Expert time
-#   per layer against the grouped path on the H200 (us, random routing over 128 experts; BENCHMARKS.md, sixth
-#   session): T = 128: 307 / 334, 256: 320 / 370, 512: 447 / 483, 1024: 667 / 809, 2048: 1,145 / 1,389; at T = 64
-#   the grouped path is faster (262 / 323), hence WG_MIN_T.
+#   per layer against the grouped path on the H200 (us, random routing over 128 experts; test_gpu_moe2_timing,
+#   BENCHMARKS.md, tenth session): T = 256: 233 / 321, 512: 325 / 429, 2048: 812 / 1,318; at T = 64 the grouped
+#   path is faster (197 / 215), hence WG_MIN_T.
 WG_MIN_T = 128
 _WG_NT = (4, 8)
 # kernel -> (tokens per tile, stages): moe_sm90a.cu's GU_WG / DN_WG table; tile width 8*nt runs f"wg{8*nt}"
@@ -370,8 +370,8 @@ def _pad128(n):
 
 
 # 128-row blocks of the down projection one CTA runs through one stage ring (moe_down_wg*'s nbk). H200, T = 2048,
-# us at 1 / 2 / 3: 292.8 / 281.7 / 281.7 (nbk = 2 for gate/up's 64-output blocks was slower: 433 -> 447; BENCHMARKS.md,
-# tenth session)
+# us at 1 / 2 / 3: 293.4 / 283.5 / 285.9 (2 output blocks a gate/up CTA was slower: 433 -> 447; BENCHMARKS.md, tenth
+# session)
 WG_DOWN_BLOCKS = 2
 
 
