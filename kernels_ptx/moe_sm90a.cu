@@ -69,6 +69,13 @@ template <int NTOK> __device__ __forceinline__ uint64_t b_desc(uint32_t st, int 
     return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
            ((uint64_t)1 << 62);
 }
+// The same descriptors from the low word of step 0's (lo0 = b_desc(st, 0)): a shared-window address is below 2^18,
+// so the address field (bits 0..13, in 16-byte units) takes step s's offset without a carry into the other fields;
+// one add a step instead of b_desc's five instructions, in the loop that issues them.
+template <int NTOK> __device__ __forceinline__ uint64_t b_desc_step(uint32_t lo0, int s) {
+    const uint32_t lo = lo0 + (((s >> 2) * (128 * NTOK) + 32 * (s & 3)) >> 4);
+    return (uint64_t)lo | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
 
 // A thread's cp.async pieces of every super unit, as 32-bit byte offsets from the kernel's base pointers, so that a
 // unit's loads are a few adds each (the 64-bit address arithmetic of per-piece pointers, rebuilt from the kernel
@@ -201,6 +208,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
     const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
     const int nsu = (K + 127) >> 7, nv = nb * nsu;
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t dlo = static_cast<uint32_t>(b_desc<NTOK>(sbase, 0));  // stage 0, step 0 (stages: 1024-byte multiples)
     const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, K);
     // the next unit to load: unit ls of block lb (rows R)
     int ls = 0, lb = 0;
@@ -231,7 +239,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         wg_fence();
         fence_acc(part);
 #pragma unroll
-        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc<NTOK>(sbase + (v % ST) * WG_STAGE(NTOK), s));
+        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
         wg_commit();
         if (v + 1 < nv) {
             cp_async_wait_<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
