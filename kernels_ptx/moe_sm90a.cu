@@ -19,8 +19,9 @@
 //
 // CTA: 2 warpgroups (256 threads), one tile (expert e, grouped positions q0 .. q0 + nq - 1, nq <= NTOK) of
 // moe_group_tiles with TS = NTOK. Warp w of a warpgroup owns 16 weight rows (its A rows g and g + 8); the
-// warpgroup's 64 rows are wgmma's M, the tile's tokens its N. A cp.async pipeline of ST super units brings each stage's activation rows (128-byte
-// swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded from shared memory.
+// warpgroup's 64 rows are wgmma's M, the tile's tokens its N. A cp.async pipeline of ST super units brings each
+// stage's activation rows (128-byte swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded
+// from shared memory.
 // What the speed came from (H200, same call each, T = 2048 gate_up + down): the first version (no swizzle, weights
 // loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (718 + 541); weights through
 // shared memory (a register load in flight makes wgmma.fence wait for it) 915 + 752; 128-byte swizzle for the
@@ -29,7 +30,7 @@
 // the kernels are issue-bound, so instructions pay): 531 + 372 before; the stage loads from 32-bit byte offsets,
 // not per-piece 64-bit pointers that ptxas rebuilt from the parameters every unit under the 128-register cap (the
 // unit loop 446 -> 331 SASS instructions) 453 + 346; no global load in the epilogues, gate and up rows of an
-// output in one warp, 2 down blocks a CTA: 426 + 284.
+// output in one warp, 2 down blocks a CTA: 426 + 284; the step descriptors by one add each (b_desc_step): 423 + 282.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -195,20 +196,20 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 // For each of nb blocks of weight rows (rows(b, R) sets the lane's two rows of block b, WgRows), in order: tot
 // (registers: the warpgroup's 64 rows x NTOK tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8 for
 // i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order, of
-// the block's rows against the tile's rows of X (rowoff); then epi(b, tot). ST stages run through the blocks' units as one
-// sequence, so a block's first stages load while the one before finishes (no pipeline fill a block). Per unit: its
-// 8 steps are issued into the zeroed partial (A decoded before); while they run, the next unit's stage is waited
-// for and the previous unit's stage refilled; then the partial is added and the next unit's A fragments decoded
-// (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block runs with
-// no cp.async group or wgmma pending and the stages free (barrier before it); the others run between units, with
-// stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop compiled).
+// the block's rows against the tile's rows of X (rowoff); then epi(b, tot). ST stages run through the blocks' units
+// as one sequence, so a block's first stages load while the one before finishes (no pipeline fill a block). Per
+// unit: its 8 steps are issued into the zeroed partial (A decoded before); while they run, the next unit's stage is
+// waited for and the previous unit's stage refilled; then the partial is added and the next unit's A fragments
+// decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block
+// runs with no cp.async group or wgmma pending and the stages free (barrier before it); the others run between
+// units, with stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop).
 template <int NTOK, int ST, bool MULTI, class Rows, class Epi>
 __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, int K, int nb,
                                             Rows rows, Epi epi) {
     const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
     const int nsu = (K + 127) >> 7, nv = nb * nsu;
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const uint32_t dlo = static_cast<uint32_t>(b_desc<NTOK>(sbase, 0));  // stage 0, step 0 (stages: 1024-byte multiples)
+    const uint32_t dlo = static_cast<uint32_t>(b_desc<NTOK>(sbase, 0));   // stage 0, step 0
     const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, K);
     // the next unit to load: unit ls of block lb (rows R)
     int ls = 0, lb = 0;
@@ -239,7 +240,8 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         wg_fence();
         fence_acc(part);
 #pragma unroll
-        for (int s = 0; s < 8; ++s) wgmma_n<NTOK>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
+        for (int s = 0; s < 8; ++s)
+            wgmma_n<NTOK>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
         wg_commit();
         if (v + 1 < nv) {
             cp_async_wait_<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
@@ -316,7 +318,8 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
             for (int c = 0; c < 2; ++c) {
                 const int tok = 8 * j + 2 * q + c;
                 if (tok < nq)
-                    col[(size_t)tok * Ip] = __float2bfloat16_rn(gate_up_out(tot[4 * j + c], tot[4 * j + 2 + c], g6, g6 + 2));
+                    col[(size_t)tok * Ip] =
+                        __float2bfloat16_rn(gate_up_out(tot[4 * j + c], tot[4 * j + 2 + c], g6, g6 + 2));
             }
     };
     wg_mainloop<NTOK, ST, false>(stages, xp, rowoff, H, 1, rows, epi);
