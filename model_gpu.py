@@ -198,7 +198,7 @@ class GpuModel(StepTools):
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
-        moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws)
+        e = moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws, combine=False)   # its combine: below
         g.join()
         # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
         nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None

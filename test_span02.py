@@ -3199,6 +3199,25 @@ def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
             assert g.download(fxn).tobytes() == g.download(sxn).tobytes()
         else:
             assert np.isnan(g.download(fxn).astype(np.float32)).all()          # untouched without w_next
+    # e as the experts' pair rows before their combine (moe.Pairs): the bytes of the combine, then the chain
+    k, E = 8, 16
+    idx = np.stack([rng.permutation(E + 2)[:k] - 1 for _ in range(T)]).astype(np.int32)   # some -1 / E: skipped
+    o = up(rng.normal(0, 0.5, (T * k, n)))
+    di = g.upload(idx)
+    pairs = moe.Pairs(o, di, k, E, _rt_out(g, (T, n), RT_BF16))
+    fx, fxn, sx, sxn = (_rt_out(g, (T, n), RT_BF16) for _ in range(4))
+    post_ffn_norms_gpu(g, m, pairs, h, w[0], w[1], w[2], -0.37, fx, RT_EPS, w_next=w[3], xn=fxn)
+    e_c = pairs.combine(g)
+    of = g.download(o).astype(np.float32).reshape(T, k, n)
+    ref = np.zeros((T, n), np.float32)                                          # slots in expert order, fp32
+    for t in range(T):
+        for s_ in sorted((s_ for s_ in range(k) if 0 <= idx[t, s_] < E), key=lambda s_: idx[t, s_]):
+            ref[t] += of[t, s_]
+    assert g.download(e_c).tobytes() == _rt_bf16(ref).tobytes()
+    post_ffn_norms_gpu(g, m, e_c, h, w[0], w[1], w[2], -0.37, sx, RT_EPS, w_next=w[3], xn=sxn)
+    got = g.download(fx)
+    assert np.isfinite(got.astype(np.float32)).all() and got.tobytes() == g.download(sx).tobytes()
+    assert g.download(fxn).tobytes() == g.download(sxn).tobytes()
 
 
 # --- head: soft-cap, argmax, readout --------------------------------------------------------------------

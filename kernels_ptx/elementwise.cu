@@ -12,6 +12,7 @@
 typedef __nv_bfloat16 bf16;
 
 #include "pdl.cuh"          // pdl_entry: programmatic dependent launch (which launches use it, and why)
+#include "combine.cuh"      // the experts' combine (post_ffn_norms_pairs_bf16)
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
@@ -185,6 +186,7 @@ extern "C" __global__ void rmsnorm_add_scale_bf16(bf16* out, const bf16* x, cons
 //   s  = bf16(m1 + bf16(norm(e) * w2))            rmsnorm_add(e, post_feedforward_layernorm_2, add=m1)
 //   x  = bf16(bf16(h + bf16(norm(s) * w3)) * c)   rmsnorm_add_scale(s, post_feedforward_layernorm, h, c)
 //   xn = bf16(norm(x) * w4)  when w4 != null      the next layer's input_layernorm
+// post_ffn_norms_pairs_bf16: the same, e = the experts' combine of their pair outputs, done here (combine.cuh)
 // ------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float sumsq8(const float* f) {
     float s = 0.f;
@@ -260,19 +262,33 @@ extern "C" __global__ void router_input_bf16(bf16* __restrict__ r, const bf16* _
     if (own) router_row8(f, inv, r_scale + c, root, r + row + c);
 }
 
-extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
+// e's row values come either from e itself or (PAIRS) from the experts' pair outputs o (T*k, n) and idx (T, k),
+// combined here with combine.cuh's arithmetic: bf16(the combine's fp32 sum), the bytes moe_combine_bf16 would
+// have stored in e. One launch and no e round trip (post_ffn_norms_pairs_bf16).
+template <bool PAIRS>
+__device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __restrict__ xn,
                                                const bf16* __restrict__ m, const bf16* __restrict__ e,
+                                               const int* __restrict__ idx, int k, int E,
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                const bf16* __restrict__ w4, int n, float eps, float scale) {
-    pdl_entry();
     __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
+    __shared__ int order[MAX_K];
+    __shared__ int nvalid;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
     float fm[8], fe[8], sv[8], xv[8], y[8];
-    if (own) {
-        load_bf16<8>(m + row + c, fm);
+    if (PAIRS && threadIdx.x < 32) slots_by_expert_warp(idx + (size_t)blockIdx.x * k, k, E, order, &nvalid);
+    if (own) load_bf16<8>(m + row + c, fm);
+    if (PAIRS) {
+        __syncthreads();                             // order, nvalid
+        if (own) {
+            combine8(e + row * k, order, nvalid, n, c, fe);
+#pragma unroll
+            for (int j = 0; j < 8; j++) fe[j] = round_bf16(fe[j]);
+        }
+    } else if (own) {
         load_bf16<8>(e + row + c, fe);
     }
     const float inv_m = inv_rms(row_sum(own ? sumsq8(fm) : 0.f, sums0, warps, lane), n, eps);
@@ -299,6 +315,26 @@ extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __res
         norm8(xv, inv_x, w4 + c, y);
         store_bf16<8>(xn + row + c, y);
     }
+}
+
+extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
+                                               const bf16* __restrict__ m, const bf16* __restrict__ e,
+                                               const bf16* __restrict__ h, const bf16* __restrict__ w1,
+                                               const bf16* __restrict__ w2, const bf16* __restrict__ w3,
+                                               const bf16* __restrict__ w4, int n, float eps, float scale) {
+    pdl_entry();
+    post_ffn_norms<false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
+}
+
+// o (T*k, n) bf16 pair outputs (row t*k + s: token t's slot s), idx (T, k): e = their combine (see above).
+extern "C" __global__ void post_ffn_norms_pairs_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
+                                                     const bf16* __restrict__ m, const bf16* __restrict__ o,
+                                                     const int* __restrict__ idx, int k, int E,
+                                                     const bf16* __restrict__ h, const bf16* __restrict__ w1,
+                                                     const bf16* __restrict__ w2, const bf16* __restrict__ w3,
+                                                     const bf16* __restrict__ w4, int n, float eps, float scale) {
+    pdl_entry();
+    post_ffn_norms<true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 
 #include "pdl.cuh"          // pdl_entry / pdl_trigger / pdl_wait: programmatic dependent launch
 #include "moe_common.cuh"   // the experts' arithmetic shared with moe_sm90a.cu (wgmma)
+#include "combine.cuh"      // slots_by_expert_warp, combine8: the combine shared with elementwise.cu
 
 #define FULL 0xffffffffu
 
@@ -32,7 +33,6 @@
 // Then each expert's group is cut into tiles of TS grouped positions for the grouped expert
 // kernels: tiles[i] = (e, q0, nq, 0) in expert order, n_tiles[0] = count (<= n_active + P/TS).
 #define G_MAXE 256
-#define MAX_K 16         // top-k slots per token the combines handle
 __device__ __forceinline__ void group_body(
     const int* __restrict__ idx,       // (P,)
     int P, int E,
@@ -161,26 +161,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_fp4_repack(uint32_t* __res
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) w[i] = fp4_device_word(w[i]);
 }
 
-// The token's slots in increasing expert index (the reference's combine order; k is tiny, experts of one token
-// are distinct): order[0 .. n-1] = slot numbers, n returned; slots whose expert is outside [0, E) are left out.
-__device__ __forceinline__ int slots_by_expert(const int* __restrict__ idx_t, int k, int E, int* order) {
-    int cnt = 0, last = -1;
-    for (int r = 0; r < k; ++r) {
-        int best = -1, be = 0x7fffffff;
-        for (int s = 0; s < k; ++s) {
-            const int e = idx_t[s];
-            if (e >= 0 && e < E && e > last && e < be) { be = e; best = s; }
-        }
-        if (best < 0) break;
-        order[cnt++] = best; last = be;
-    }
-    return cnt;
-}
-
 // ---------------------------------------------------------------------------------------------------
-// combine: out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index (the numpy reference's
-// order: experts visited in index order), of f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert
-// is outside [0, E) are skipped. grid (T, ceil(H / (8 COMB_THREADS))), block COMB_THREADS; k <= 16. Thread i owns
+// combine (combine.cuh's arithmetic): out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index, of
+// f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert is outside [0, E) are skipped. grid (T, ceil(H / (8 COMB_THREADS))), block COMB_THREADS; k <= 16. Thread i owns
 // columns 8i .. 8i + 7 of its CTA's 8 COMB_THREADS: it requests every slot's 8 columns at once (16-byte loads when
 // H % 8 == 0, so the rows are 16-byte aligned; element loads otherwise), then adds them column by column in slot
 // order (the same adds as one column per thread: a memory-bound kernel with all of a token's loads in flight).
@@ -195,48 +178,28 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS) moe_combine_bf16(
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
     const int t = blockIdx.x;
-    if (threadIdx.x == 0) nvalid = slots_by_expert(idx + (size_t)t * k, k, E, order);
+    if (threadIdx.x < 32) slots_by_expert_warp(idx + (size_t)t * k, k, E, order, &nvalid);
     __syncthreads();
     const int n0 = 8 * (blockIdx.y * COMB_THREADS + threadIdx.x), nv = nvalid;
     if (n0 >= H) return;
-    const bool vec = (H & 7) == 0;                               // then n0 + 8 <= H
-    uint4 v[MAX_K];
-    #pragma unroll
-    for (int r = 0; r < MAX_K; ++r) {
-        v[r] = make_uint4(0, 0, 0, 0);
-        if (r < nv) {
-            const bf16* row = o + ((size_t)t * k + order[r]) * H + n0;
-            if (vec) {
-                v[r] = __ldg(reinterpret_cast<const uint4*>(row));
-            } else {
-                unsigned short* h = reinterpret_cast<unsigned short*>(&v[r]);
-                for (int c = 0; c < 8 && n0 + c < H; ++c) h[c] = __bfloat16_as_ushort(row[c]);
-            }
-        }
-    }
-    float acc[8];
-    #pragma unroll
-    for (int c = 0; c < 8; ++c) acc[c] = 0.f;
-    #pragma unroll
-    for (int r = 0; r < MAX_K; ++r) {
-        if (r < nv) {
-            const uint32_t w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-            #pragma unroll
-            for (int c = 0; c < 8; ++c)
-                acc[c] = __fadd_rn(acc[c], __uint_as_float((c & 1) ? (w[c >> 1] & 0xffff0000u) : (w[c >> 1] << 16)));
-        }
-    }
     bf16* dst = out + (size_t)t * H + n0;
-    if (vec) {
+    float acc[8];
+    if ((H & 7) == 0) {                                          // then n0 + 8 <= H, rows 16-byte aligned
+        combine8(o + (size_t)t * k * H, order, nv, H, n0, acc);
         uint32_t w[4];
         #pragma unroll
         for (int c = 0; c < 4; ++c)
             w[c] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * c])) |
                    ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[2 * c + 1])) << 16);
         *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-        for (int c = 0; c < 8 && n0 + c < H; ++c) dst[c] = __float2bfloat16_rn(acc[c]);
+        return;
     }
+    for (int c = 0; c < 8; ++c) acc[c] = 0.f;                    // element loads, the same adds in the same order
+    for (int r = 0; r < nv; ++r) {
+        const bf16* row = o + ((size_t)t * k + order[r]) * H + n0;
+        for (int c = 0; c < 8 && n0 + c < H; ++c) acc[c] = __fadd_rn(acc[c], __bfloat162float(row[c]));
+    }
+    for (int c = 0; c < 8 && n0 + c < H; ++c) dst[c] = __float2bfloat16_rn(acc[c]);
 }
 
 // B source 1: whole token rows resident in shared memory (row stride rs bytes), rows >= nrows and columns
@@ -501,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     const int S = blockDim.x / (32 * k), sr = warp / S, j = warp - sr * S;
     const int nsu = (I + 127) >> 7;
     float* pbuf = (float*)(smem_dd + 2 * (size_t)k * I);          // [k][nsu][16] fp32 partials (2kI % 32 == 0)
-    if (threadIdx.x == 0) nvalid = slots_by_expert(idx + (size_t)t * k, k, E, order);
+    if (threadIdx.x < 32) slots_by_expert_warp(idx + (size_t)t * k, k, E, order, &nvalid);
     __syncthreads();
     const int nv = nvalid;
     const bool live = sr < nv;                                    // warp-uniform

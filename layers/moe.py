@@ -1,5 +1,7 @@
 """The MoE block of a Gemma-4 layer: router (no-scale norm, scale, softmax over all experts, top-k,
 renormalise, per-expert scale) and gated-GELU experts combined by their weights."""
+from dataclasses import dataclass
+
 import numpy as np
 
 from layers.mlp import gelu_tanh
@@ -199,13 +201,33 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
              args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2, flops=2 * T * E * H)
 
 
-def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6, path=None, nt=None):
+@dataclass(frozen=True)
+class Pairs:
+    """The experts' output before its combine (moe_gpu(combine=False) on the grouped / wgmma paths): o the pair rows
+    (token t's slot s at row t * k + s, H bf16 each), idx (T, k) int32, E experts. post_ffn_norms_gpu runs the
+    combine inside its launch; combine() runs moe_combine_bf16 into out (T, H) (the same bytes) and returns it."""
+    o: object
+    idx: object
+    k: int
+    E: int
+    out: object
+
+    def combine(self, g):
+        T, H = self.out.shape
+        _combine(g, self.o, self.idx, self.out, T, H, self.k, self.E)
+        return self.out
+
+
+def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6, path=None, nt=None,
+            combine=True):
     """x_normed (T, H) bf16 = pre_feedforward_layernorm_2(h); weights (T, k) f32, idx (T, k) i32 from router_gpu
     (if weights is None they are computed here from h with experts' router arrays: pass top_k, eps, and
     weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router.
     path: None (auto: "direct" for T <= DIRECT_MAX_T, "wgmma" from WG_MIN_T on sm_90, else "grouped"), "direct",
     "grouped" or "wgmma"; nt: grouped tile width 8*nt tokens (1, 2, 4, 8), or the wgmma path's (4, 8; None =
-    auto). Neither changes the result bits (tests force each)."""
+    auto). Neither changes the result bits (tests force each). combine=False: on the grouped / wgmma paths the
+    last launch (the combine) is left to the caller, and a Pairs is returned instead of out (post_ffn_norms_gpu
+    takes it); the direct path combines in its down kernel and returns out either way."""
     E, H, I = experts["E"], experts["H"], experts["I"]
     T = x_normed.shape[0]
     bf = _bf16()
@@ -231,9 +253,11 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
         raise ValueError("moe_gpu: x_normed and out need 16-byte aligned rows")
     if H < 16 or I < 16 or P * max(H, I) >= 2 ** 31:
         raise ValueError(f"moe: need H, I >= 16 and T*k*max(H, I) < 2^31 (T={T}, k={k}, H={H}, I={I})")
-    for _, launch in _plan(g, x_normed, weights, idx, experts, out, workspace, T, k, path, nt):
+    plan = _plan(g, x_normed, weights, idx, experts, out, workspace, T, k, path, nt)
+    deferred = not combine and plan[-1][0] == "combine"
+    for _, launch in plan[:-1] if deferred else plan:
         launch()
-    return out
+    return Pairs(workspace["o"], idx, k, E, out) if deferred else out
 
 
 def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
@@ -334,7 +358,7 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                 m.function(f"moe_down_mma_n{nt}"), grid=((H + 127) // 128, maxt), block=(128,),
                 args=[ws["u"], ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"],
                       H, I], shared=shared, flops=2 * P * I * H)),
-            ("combine", lambda: _combine(g, ws, idx, out, T, H, k, E))]
+            ("combine", lambda: _combine(g, ws["o"], idx, out, T, H, k, E))]
 
 
 def _group_tiles(g, idx, P, E, ws, ts, tiles):
@@ -346,10 +370,10 @@ def _group_tiles(g, idx, P, E, ws, ts, tiles):
 _COMB_THREADS = 128  # COMB_THREADS in moe.cu: 8 columns a thread
 
 
-def _combine(g, ws, idx, out, T, H, k, E):
-    """moe_combine_bf16: out[t] = the token's slots of ws["o"] summed in increasing expert index."""
+def _combine(g, o, idx, out, T, H, k, E):
+    """moe_combine_bf16: out[t] = the token's slots of the pair rows o summed in increasing expert index."""
     g.launch(g.module("moe").function("moe_combine_bf16"), grid=(T, (H + 8 * _COMB_THREADS - 1) // (8 * _COMB_THREADS)),
-             block=(_COMB_THREADS,), args=[ws["o"], idx, out, T, H, k, E])
+             block=(_COMB_THREADS,), args=[o, idx, out, T, H, k, E])
 
 
 # wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_tiles (tiles of
@@ -431,7 +455,7 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
                 mw.function(f"moe_down_{kern}"), grid=(-(-((H + 127) // 128) // nbd), maxt), block=(256,),
                 args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I,
                       nbd], shared=shared, flops=2 * P * I * H)),
-            ("combine", lambda: _combine(g, ws, idx, out, T, H, k, E))]
+            ("combine", lambda: _combine(g, ws["o"], idx, out, T, H, k, E))]
 
 
 def moe_bytes(E_active, H, I, router_E=None):

@@ -90,19 +90,30 @@ def router_input_gpu(g, h, scale, r, eps, root):
 def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None):
     """After the dense MLP (m) and the experts (e), in one launch: m1 = norm(m) * w1; s = m1 + norm(e) * w2;
     x = (h + norm(s) * w3) * scale; with w_next: xn = norm(x) * w_next (the next layer's input norm). The bytes
-    of the rmsnorm_gpu chain it replaces; m1 and s stay in registers. x must not alias m, e or h."""
+    of the rmsnorm_gpu chain it replaces; m1 and s stay in registers. x must not alias m, e or h.
+    e may also be the experts' output before its combine (layers.moe.Pairs, from moe_gpu(combine=False)): then
+    the combine runs inside this launch (post_ffn_norms_pairs_bf16), the bytes of Pairs.combine() then this."""
     T, n = m.shape
-    for v in (e, h, x) + ((xn,) if w_next is not None else ()):
+    pairs = e if hasattr(e, "combine") else None
+    for v in (h, x) + ((xn,) if w_next is not None else ()) + ((e,) if pairs is None else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
     tpr = _fused_tpr(m)
     ws = (w1, w2, w3) + ((w_next,) if w_next is not None else ())
-    if tpr is None or any(v.ptr % 16 for v in (e, h, x) + ws) or (xn is not None and xn.ptr % 16):
+    src = pairs.o if pairs is not None else e
+    if tpr is None or any(v.ptr % 16 for v in (src, h, x) + ws) or (xn is not None and xn.ptr % 16):
+        if pairs is not None:
+            e = pairs.combine(g)
         rmsnorm_gpu(g, m, w1, x, eps)                       # x holds m1, then s (out may alias add / x)
         rmsnorm_gpu(g, e, w2, x, eps, add=x)
         rmsnorm_gpu(g, x, w3, x, eps, add=h, scale=scale)
         if w_next is not None:
             rmsnorm_gpu(g, x, w_next, xn, eps)
         return
+    xn_arg = xn if w_next is not None else None
+    if pairs is not None:
+        g.launch(g.module("elementwise").function("post_ffn_norms_pairs_bf16"), grid=(T,), block=(tpr,),
+                 args=[x, xn_arg, m, pairs.o, pairs.idx, pairs.k, pairs.E, h, w1, w2, w3, w_next, n, float(eps),
+                       float(scale)])
+        return
     g.launch(g.module("elementwise").function("post_ffn_norms_bf16"), grid=(T,), block=(tpr,),
-             args=[x, xn if w_next is not None else None, m, e, h, w1, w2, w3, w_next, n, float(eps),
-                   float(scale)])
+             args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale)])
