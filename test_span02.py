@@ -6042,13 +6042,13 @@ def test_gpu_linear_prefill_timing(lin_g):
 # ====================================================================================================
 # === GPU MoE router: the batch kernels (router.cu ROUTER_TILE) against router_bf16 ===
 # ====================================================================================================
-# --- GPU router, batch path (kernels_ptx/router.cu router_bf16_t8x8 / t16x16 / t16x32, picked by layers/moe.py
+# --- GPU router, batch path (kernels_ptx/router.cu router_bf16_t* tiles, moe.ROUTER_TILES, picked by layers/moe.py
 # router_gpu for T > 4): every logit, weight and index byte-identical to the decode kernel router_bf16 (one warp per
 # expert, the pre-tile arithmetic) at any T, near the float64 reference, counters left at zero; and graph-replayed
 # timings of every kernel shape at decode and prefill sizes (printed, not asserted).
 
 
-_ROUTER_TILES = {"t8x8": (8, 8, 128, 5), "t16x16": (16, 16, 128, 4), "t16x32": (16, 32, 256, 4)}
+_ROUTER_TILES = moe.ROUTER_TILES
 _ROUTER_KERNELS = ["w1", "w4"] + list(_ROUTER_TILES)
 
 

@@ -342,7 +342,9 @@ __device__ __forceinline__ void router_tile(
 // (H % 8 == 0, 16-byte aligned r / proj rows, E <= 256, k <= 16); any H (K blocks), any T >= 1.
 //   t8x8:   4 warps of 4 tokens x 4 experts, 5 stages (40 KiB, no opt-in): small batches (many CTAs)
 //   t16x16: 4 warps of 8 x 8, 4 stages (64 KiB): mid batches (~0.25 B of L2 reads per FMA)
-//   t16x32: 8 warps of 8 x 8, 4 stages (96 KiB): prefill (one CTA per SM, ~0.19 B of L2 reads per FMA)
+//   t8x32:  8 warps of 4 x 8, 4 stages (80 KiB; ~96 registers: 2 CTAs per SM): 129 .. 384 tokens
+//   t16x32w16: 16 warps of 4 x 8, 4 stages (96 KiB): 385 .. 1536 tokens
+// (8 warps of 8 x 8 over 16 x 32 and 8 of 4 x 4 over 8 x 16 were slower everywhere: layers/moe.py router_tile.)
 #define ROUTER_TILE(name, NT, NE, WT, WE, ST, MINB)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * WT * WE, MINB) name(                                   \
         const bf16* __restrict__ r, const bf16* __restrict__ proj, const float* __restrict__ pes,           \
@@ -353,4 +355,5 @@ __device__ __forceinline__ void router_tile(
     }
 ROUTER_TILE(router_bf16_t8x8, 4, 4, 2, 2, 5, 1)
 ROUTER_TILE(router_bf16_t16x16, 8, 8, 2, 2, 4, 1)
-ROUTER_TILE(router_bf16_t16x32, 8, 8, 2, 4, 4, 1)
+ROUTER_TILE(router_bf16_t8x32, 4, 8, 2, 4, 4, 2)
+ROUTER_TILE(router_bf16_t16x32w16, 4, 8, 4, 4, 4, 1)

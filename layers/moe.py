@@ -184,8 +184,8 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     args = [r, router["router_proj"], router["router_pes"], logits, counters, weights, idx, T, H, E, top_k]
     # router.cu's kernels, the same bits for every T; picked by the H200 times of test_gpu_router_v3_timing
     # (2026-11-30, us per call at T = 1 / 16 / 64 / 128 / 512 / 2048): router_bf16 with one-warp CTAs 8.2 at T=1,
-    # with 4-warp CTAs 10.6 at 16 (t8x8 13.4); t8x8 14.0 at 64 (router_bf16 17.1) and 17.2 at 128; t16x32 25.1 at
-    # 512 (router_bf16 66.4); t16x16 76.8 at 2048 (t16x32 82.9).
+    # with 4-warp CTAs 10.6 at 16 (t8x8 13.4); t8x8 14.0 at 64 (router_bf16 17.1) and 17.2 at 128; the tiles
+    # above 128 tokens: router_tile.
     # PDL on router_bf16 (it fetches its expert rows before the wait), not on the batch kernels: their early CTAs
     # (40 KB of shared memory each) hold SMs the dense MLP's branch needs (batch 64 +0.73 ms; kernels_ptx/pdl.cuh).
     if T <= 16:
@@ -193,12 +193,26 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
         g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4),
                  block=(32 * ew,), args=args, nbytes=E * H * 2, pdl=True, flops=2 * T * E * H)
         return
-    # (kernel, tokens, experts per CTA, threads, stages): router.cu's ROUTER_TILE table
-    name, tt, ec, nth, st = (("router_bf16_t8x8", 8, 8, 128, 5) if T <= 128 else
-                             ("router_bf16_t16x32", 16, 32, 256, 4) if T <= 1024 else
-                             ("router_bf16_t16x16", 16, 16, 128, 4))
-    g.launch(g.module("router").function(name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt), block=(nth,),
-             args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2, flops=2 * T * E * H)
+    name = router_tile(T)
+    tt, ec, nth, st = ROUTER_TILES[name]
+    g.launch(g.module("router").function("router_bf16_" + name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt),
+             block=(nth,), args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2, flops=2 * T * E * H)
+
+
+# router.cu's ROUTER_TILE table: router_bf16_<name> -> (tokens, experts per CTA, threads, stages); dynamic shared
+# stages * (tokens + experts) * 512 bytes. Every tile gives the same bits (test_gpu_router_v3_bits runs each).
+ROUTER_TILES = {"t8x8": (8, 8, 128, 5), "t16x16": (16, 16, 128, 4), "t8x32": (8, 32, 256, 4),
+                "t16x32w16": (16, 32, 512, 4)}
+
+
+def router_tile(T):
+    """The batch router's tile for T > 16 tokens (speed only). H200, graph-replayed, us at T = 130 / 256 / 507 /
+    1024 / 2048 (BENCHMARKS.md, eleventh session): t8x8 18.1 / 25.1 / 37.1 / 60.2 / 100.9; t16x16 26.4 / 26.5 /
+    33.6 / 53.7 / 77.8; t16x32 24.3 / 24.4 / 25.1 / 48.5 / 83.1; t8x32 16.1 / 16.7 / 25.3 / 47.8 / 79.3;
+    t16x32w16 22.1 / 22.3 / 23.2 / 43.9 / 80.1; (removed: 8 warps of 4 x 4 over 8 x 16 16.2 / 18.5 / 29.8 / 47.6 /
+    81.5). The 4 x 8 warp tiles (t8x32, t16x32w16) hold ~96 registers a thread against ~168 for 8 x 8, so more
+    warps share an SM; t16x32 (8 warps of 8 x 8) was the pick from 129 to 1024 tokens before them (removed)."""
+    return "t8x8" if T <= 128 else "t8x32" if T <= 384 else "t16x32w16" if T <= 1536 else "t16x16"
 
 
 @dataclass(frozen=True)
