@@ -2186,6 +2186,26 @@ def test_oversized_and_truncated_bodies(wire_server):
     assert http_call(wire_server, body=body)[0] == 200
 
 
+def test_plain_json_bodies_parse_inline_and_on_the_pool(wire_server, monkeypatch):
+    """A plain JSON body up to wire.INLINE_PARSE_BYTES is parsed on the loop thread, a bigger one on the parse
+    pool: both give the same request, and a bad small body is still a clear 400 / 422."""
+    threads = []
+    orig = wire.Server._parse
+
+    def spy(self, *a):
+        threads.append(threading.current_thread().name)
+        return orig(self, *a)
+    monkeypatch.setattr(wire.Server, "_parse", spy)
+    for n in (200, wire.INLINE_PARSE_BYTES + 5000):
+        body = json.dumps({"questions": [wire_question()], "context": rnd_text(n)}).encode()
+        st, out = http_call(wire_server, body=body)
+        assert st == 200, out
+        assert wire_server.fake.seen[-1].context == json.loads(body)["context"]
+        assert ("wire-parse" in threads[-1]) == (len(body) > wire.INLINE_PARSE_BYTES), (len(body), threads[-1])
+    assert http_call(wire_server, body=b'{"questions": [')[0] == 400
+    assert http_call(wire_server, body=b'{"questions": []}')[0] == 422
+
+
 def test_compressed_request_bodies(wire_server):
     body = json.dumps({"questions": [wire_question()], "context": rnd_text(5000)}).encode()
     for enc, data in (("gzip", gzip.compress(body)), ("zstd", zstandard.ZstdCompressor().compress(body))):

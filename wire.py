@@ -4,7 +4,9 @@ shutdown. What a request and a reply mean (validation, JSON bodies, /metrics tex
 One asyncio loop runs in the thread that calls `run()`; h11 frames every connection. Body decoding, JSON
 validation and image decoding run on a small thread pool, so a big body never stalls other connections;
 the engine answers through a concurrent.futures.Future (design.md: HTTP loop and engine loop in separate
-threads). Choices where api.md is silent:
+threads). A plain JSON body of at most INLINE_PARSE_BYTES is parsed on the loop thread itself: its ~0.1 ms of
+parsing stalls the other connections less than the pool's two thread hand-overs delay this request. Choices
+where api.md is silent:
 - no Content-Type is read as JSON; a JSON charset other than UTF-8 is 415;
 - an oversized header block is 431 `too_large`; framing errors are 400 `bad_request`;
 - `--read-timeout` bounds the idle time between keep-alive requests, and a whole request (headers + body)
@@ -40,6 +42,7 @@ import api
 log = logging.getLogger("span02.wire")
 CHUNK = 64 << 10                 # read / inflate granularity
 COMPRESS_MIN = 1024              # responses over this many bytes are compressed when allowed
+INLINE_PARSE_BYTES = 16 << 10    # plain JSON bodies up to this size are parsed on the loop thread (BENCHMARKS.md)
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
 ROUTES = {"/v1/systemone": "POST", "/health": "GET", "/metrics": "GET"}
 
@@ -380,8 +383,11 @@ class Server:
                 break
             else:
                 raise _Gone()
-        request = await self._loop.run_in_executor(self._pool, self._parse, bytes(raw), enc, mime,
-                                                   opts.get(b"boundary"), arrival, rid)
+        args = (bytes(raw), enc, mime, opts.get(b"boundary"), arrival, rid)
+        if len(raw) <= INLINE_PARSE_BYTES and enc == "identity" and mime == "application/json":
+            request = self._parse(*args)        # small plain JSON: parsed here, without two thread hand-overs
+        else:
+            request = await self._loop.run_in_executor(self._pool, self._parse, *args)
         try:
             fut = self.engine.submit(request)
             result = await self._wait(fut, conn, reader)
