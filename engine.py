@@ -295,7 +295,7 @@ class Engine:
         the same sequence, the probe second: it reads the KV the first writes in the same step (model.SeqStep)."""
         steps = []
         for w in works:
-            ims = tuple(ImageRows(w.seq.images[i][0], w.seq.tag[2][i]) for i in w.images)
+            ims = tuple(ImageRows(w.seq.images[i][0], w.seq.tag[2][i]) for i in w.images) if w.images else ()
             if w.split:
                 steps.append(SeqStep(w.tokens[:w.keep], w.start, w.blocks, argmax=True, images=ims))
                 steps.append(SeqStep(w.tokens[w.keep:], w.start + w.keep, w.blocks, readout=w.readout))

@@ -139,6 +139,9 @@ class QuestionPolicy:
         self.stage, self.t0, self.t_stage = "prefill", None, None
         self.trace, self.thought, self.stop = [], [], None
         self.p1 = self.p = None
+        pol = req.policy                  # the time limits, fixed per request: (time, stop), earliest first
+        self.time_ends = sorted(([(req.arrival + pol.budget_ms / 1000.0, "budget")] if pol.budget_ms > 0 else []) +
+                                ([(req.deadline, "deadline")] if req.deadline is not None else []))
 
     def start(self, now):
         if self.t0 is None:
@@ -170,13 +173,11 @@ class QuestionPolicy:
         return self._token(self.t1, now)
 
     def _time_stop(self, now):
-        ends = []
-        if self.req.policy.budget_ms > 0:
-            ends.append((self.req.arrival + self.req.policy.budget_ms / 1000.0, "budget"))
-        if self.req.deadline is not None:
-            ends.append((self.req.deadline, "deadline"))
-        passed = [e for e in ends if now >= e[0]]
-        return min(passed)[1] if passed else None
+        """The earliest time limit already passed ("budget" / "deadline"), else None (every thought token)."""
+        for t, stop in self.time_ends:
+            if now >= t:
+                return stop
+        return None
 
     def _token(self, t, now):
         if t in self.ends:

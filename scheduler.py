@@ -65,15 +65,12 @@ class Work:
     images: tuple[int, ...]                 # indexes into seq.images that lie inside this chunk
     keep: int                               # leading tokens that stay in the sequence
     final: bool                             # the last row answers the seq's request (readout / argmax)
-
-    @property
-    def split(self) -> bool:
-        """The greedy token of the last kept row and key logits after probe rows (the stem's last chunk, then
-        `<channel|>`): two sequences of the model step (engine._model_step), counted so against max_seqs."""
-        return _split(self.argmax, self.readout, self.keep, len(self.tokens))
+    split: bool                             # _split(argmax, readout, keep, len(tokens)): see there
 
 
 def _split(argmax, readout, keep, rows):
+    """The greedy token of the last kept row and key logits after probe rows (the stem's last chunk, then
+    `<channel|>`): two sequences of the model step (engine._model_step), counted so against max_seqs."""
     return bool(argmax and readout and keep < rows)
 
 
@@ -265,16 +262,18 @@ class Scheduler:
                     continue                         # whole chunks only: boundaries never depend on load
                 final = b == len(s.tokens)
                 toks = tuple(s.tokens[a:b]) + (s.probe if final else ())
-                n = 1 + _split(s.argmax and final, s.readout if final else (), b - a, len(toks))
+                split = _split(s.argmax and final, s.readout if final else (), b - a, len(toks))
+                n = 1 + split
                 if works and ((self.max_rows is not None and rows + len(toks) > self.max_rows) or
                               (self.max_seqs is not None and nseq + n > self.max_seqs)):
                     continue                         # the model's workspace: this seq goes in a later step
                 rows, nseq = rows + len(toks), nseq + n
-                while len(s.blocks) * BLOCK < a + len(toks):
+                end = a + len(toks)
+                while len(s.blocks) * BLOCK < end:
                     self._alloc(s)
-                ims = tuple(i for i, (st, n, _) in enumerate(s.images) if a <= st and st + n <= b)
-                works.append(Work(s, toks, a, tuple(s.blocks[:math.ceil((a + len(toks)) / BLOCK)]),
-                                  s.readout if final else (), s.argmax and final, ims, b - a, final))
+                ims = tuple(i for i, (st, n, _) in enumerate(s.images) if a <= st and st + n <= b) if s.images else ()
+                works.append(Work(s, toks, a, tuple(s.blocks[:-(-end // BLOCK)]),
+                                  s.readout if final else (), s.argmax and final, ims, b - a, final, split))
                 if prefill:
                     budget -= b - a
         return works
