@@ -34,8 +34,9 @@ class ImageRows:
     embeds: np.ndarray             # (n, H) float32 soft tokens that replace the rows start..start+n-1
 
 
-@dataclass(frozen=True)
-class SeqStep:
+@dataclass(slots=True)             # not frozen, like SeqOut, Work and Next: a frozen dataclass's __init__ sets
+class SeqStep:                     # each field through object.__setattr__ (~1 us a record, four records a row a
+                                   # step: ~0.3 ms of engine time a batch-64 step, BENCHMARKS.md). Never mutated.
     """One sequence's rows in a step. SeqSteps of one step may share blocks: each sees the KV the others write at
     its earlier positions in the same step, in any order (both backends write every row's K/V before any row
     attends), so the engine runs a stem's last chunk and the readout probe after it in one step."""
@@ -48,7 +49,7 @@ class SeqStep:
     images: tuple[ImageRows, ...] = ()  # whole image blocks inside this chunk (never split across chunks)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)             # not frozen: see SeqStep
 class SeqOut:
     argmax: int | None = None
     key_logits: tuple[float, ...] | None = None

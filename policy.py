@@ -116,7 +116,7 @@ def thought_limit(p: PolicyConfig, cost: dict | None, batch: int, context: int) 
 
 # --- one question ----------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(slots=True)             # not frozen, a per-step record: see model.SeqStep
 class Next:
     """The sequence work a question wants next: keep `feed` in the sequence, then run `probe` rows that
     are not kept; the last row returns the key logits (`readout`), the last kept row the greedy token

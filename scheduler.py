@@ -54,7 +54,7 @@ class Seq:
         self.owned = []                     # trie nodes this seq inserted (not ready until computed)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)             # not frozen, a per-step record: see model.SeqStep
 class Work:
     seq: Seq
     tokens: tuple[int, ...]
