@@ -295,21 +295,27 @@ class GpuModel(StepTools):
                  h_ids=host_in[:B], h_pos=host_in[B:2 * B], h_tables=host_in[3 * B:3 * B + B * mb].reshape(B, mb),
                  h_keys=host_in[3 * B + B * mb:])
         host_in[2 * B:3 * B] = np.arange(B, dtype=np.int32)   # rows_seq: row j is sequence j (constant)
+        d["rows"] = [None] * B                                 # what each table row holds (_decode_inputs)
         return d
 
     def _decode_inputs(self, d, seqs, keys):
         """Fill bucket buffers' host mirror: real rows first, then pad rows (PAD_TOKEN at position 0 of the scratch
-        block); keys padded with a repeated valid key. One upload."""
+        block); keys padded with a repeated valid key. One upload. A table row is rewritten only when its blocks
+        differ from those it holds (d["rows"][j]: the tuple row j was last written from; a pad row is the scratch
+        block alone): a decode row's table grows by one block every 16 steps, and converting every row's list to
+        int32 every step cost ~0.18 ms a batch-64 step (BENCHMARKS.md, eleventh session)."""
         S = len(seqs)
         d["h_ids"][:S] = [s.tokens[0] for s in seqs]
         d["h_ids"][S:] = PAD_TOKEN
         d["h_pos"][:S] = [s.start for s in seqs]
         d["h_pos"][S:] = 0
-        tab = d["h_tables"]
-        tab[:] = 0
-        tab[S:, 0] = self.scratch_block
-        for j, s in enumerate(seqs):
-            tab[j, :len(s.blocks)] = s.blocks
+        tab, rows, pad = d["h_tables"], d["rows"], (self.scratch_block,)
+        for j in range(len(rows)):
+            want = pad if j >= S else seqs[j].blocks if type(seqs[j].blocks) is tuple else tuple(seqs[j].blocks)
+            if rows[j] != want:
+                tab[j] = 0
+                tab[j, :len(want)] = want
+                rows[j] = want
         d["h_keys"][:len(keys)] = keys
         d["h_keys"][len(keys):] = keys[0] if keys else PAD_TOKEN
         self.g.upload(d["host_in"], out=d["inp"])

@@ -4551,6 +4551,64 @@ def test_gpu_moe_with_router(g, real):
 # step of a second instance (graphs=False): byte-identical outputs, no allocation, one host sync per step.
 
 
+def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
+    """model_gpu's decode host inputs (no GPU: host mirrors only): over steps where rows grow, reorder, finish and
+    are replaced by sequences that reuse freed blocks (also one with the same length and last block as the row's
+    previous owner), with tuples or lists of blocks, every upload equals a from-scratch fill."""
+    import model_gpu
+    from model import SeqStep
+
+    class FakeG:
+        def empty(self, shape, dtype):
+            return np.zeros(shape, dtype)
+
+        def view(self, a, off, shape, dtype):
+            return None
+
+        def upload(self, host, out=None):
+            sent.append(host.copy())
+
+    class Stub:
+        g, max_blocks, scratch_block = FakeG(), 12, 999
+
+    sent, B, rng = [], 8, np.random.default_rng(4)
+    stub = Stub()
+    d = model_gpu.GpuModel._decode_buffers(stub, B)
+    free = list(range(200))
+    live = [[free.pop(0) for _ in range(int(rng.integers(1, 5)))] for _ in range(6)]
+    for step in range(60):
+        for bl in live:                                  # grow some rows by a block
+            if rng.random() < 0.2 and len(bl) < stub.max_blocks:
+                bl.append(free.pop(int(rng.integers(0, len(free)))))
+        twin = step % 4 == 3 and live
+        if twin:                                         # one finishes; in its row a newcomer with other blocks
+            j = int(rng.integers(0, len(live)))          # but the same length and the same last block
+            gone = live[j]
+            free += gone[:-1]
+            live[j] = [free.pop(int(rng.integers(0, len(free) - len(gone) + 1))) for _ in gone[:-1]] + gone[-1:]
+            assert len(gone) == 1 or live[j] != gone
+        elif rng.random() < 0.3 and live:                # one finishes, its blocks back to the pool
+            free += live.pop(int(rng.integers(0, len(live))))
+        if not twin and rng.random() < 0.3 and len(live) < B:
+            live.append([free.pop(int(rng.integers(0, len(free))))])
+        if not twin:
+            rng.shuffle(live)
+        n = len(live) if twin else int(rng.integers(0, len(live) + 1))
+        seqs = [SeqStep((int(rng.integers(3, 100)),), 16 * len(bl) - 1, tuple(bl) if step % 3 else list(bl),
+                        argmax=True) for bl in live[:n]]
+        keys = [int(k) for k in rng.integers(3, 100, int(rng.integers(0, 4)))]
+        model_gpu.GpuModel._decode_inputs(stub, d, seqs, keys)
+        ref = d["host_in"].copy()                        # from scratch: what every row must hold
+        tab = ref[3 * B:3 * B + B * stub.max_blocks].reshape(B, stub.max_blocks)
+        tab[:] = 0
+        tab[n:, 0] = stub.scratch_block
+        for j, sq in enumerate(seqs):
+            tab[j, :len(sq.blocks)] = sq.blocks
+        assert (sent[-1] == ref).all(), f"step {step}"
+        assert (sent[-1][:n] == [sq.tokens[0] for sq in seqs]).all()
+        assert (sent[-1][B:B + n] == [sq.start for sq in seqs]).all()
+
+
 @pytest.fixture(scope="module")
 def graph_pair():
     on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024)
