@@ -195,7 +195,7 @@ class Scheduler:
 
     def _keys(self, s, j):
         lo, hi = j * BLOCK, (j + 1) * BLOCK
-        return tuple(s.tokens[lo:hi]), tuple(d for a, n, d in s.images if a < hi and a + n > lo)
+        return tuple(s.tokens[lo:hi]), tuple(d for a, n, d in s.images if a < hi and a + n > lo) if s.images else ()
 
     def _place(self, s):
         """Admit s if its blocks fit: True; no room yet: False; a shared block is being computed: None."""
