@@ -9,7 +9,7 @@
    construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, one decision
    through the engine without HTTP (readout_ms_engine, decision_wall_ms), and, when the backend has
    `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64 / kernels_prefill_2048
-   (+ kernel_sum_ms_*). The model is closed before the next part.
+   / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+ kernel_sum_ms_*). The model is closed before the next part.
 2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it, and the standard workload (--requests N of
@@ -340,7 +340,7 @@ def format_kernel_table(table, title):
     return "\n".join(lines)
 
 
-def kernel_figures(m, batches=(1, 64), prefill=(2048,), log=print):
+def kernel_figures(m, batches=(1, 64), prefill=(2048, 508), log=print):
     """kernels_b{B} / kernels_prefill_{T} (kernel_table) and kernel_sum_ms_b{B} / kernel_sum_ms_prefill_{T} for
     each decode batch B and prefill length T, if the model has `profile_decode` / `profile_prefill`; an error
     there is reported in the result (kernels_error), never fatal."""

@@ -5456,11 +5456,12 @@ def test_kernel_table_and_hook():
             return rows
 
         def profile_prefill(self, t):
-            return rows[:2] if t == 2048 else 1 / 0
+            return {2048: rows[:2], 508: rows[3:]}[t]
     r = bench.kernel_figures(Prof(), log=lambda *a: None)
     assert r["kernels_b1"] == t and r["kernel_sum_ms_b1"] == 0.05 and "kernels_b64" not in r
     assert "does not fit" in r["kernels_error"]
     assert [a["kernel"] for a in r["kernels_prefill_2048"]] == ["gemv", "norm"] and r["kernel_sum_ms_prefill_2048"] == 0.012
+    assert [a["kernel"] for a in r["kernels_prefill_508"]] == ["attn"] and r["kernel_sum_ms_prefill_508"] == 0.008
     assert bench.kernel_figures(object()) == {}
 
 
