@@ -6,10 +6,11 @@
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
    eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k, weights_gib, load_model_s (model
-   construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, one decision
-   through the engine without HTTP (readout_ms_engine, decision_wall_ms), and, when the backend has
-   `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64 / kernels_prefill_2048
-   / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+ kernel_sum_ms_*). The model is closed before the next part.
+   construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, five
+   decisions through one engine without HTTP (readout_ms_engine: their median, and each; decision_wall_ms), and,
+   when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64
+   / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+
+   kernel_sum_ms_*). The model is closed before the next part.
 2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it, and the standard workload (--requests N of
@@ -234,33 +235,37 @@ def time_steps(m, batch, context, steps, rng):
     return float(np.median(times[2:]))
 
 
-def decide(m, ckpt_dir, stem_tokens=512):
-    """One question with a ~512-token stem through the engine (no HTTP), serial, tau 0.8, cap 16: the answer
-    exists, and the first readout's time (the trace's readout stage: question start to readout)."""
+def decide(m, ckpt_dir, stem_tokens=512, repeats=5):
+    """`repeats` questions with ~512-token stems through one engine (no HTTP), serial, one at a time, tau 0.8, cap
+    16: the answers exist, and the first readout's time (the trace's readout stage: question start to readout),
+    median and each. Each stem's context differs from its first word on, so no question reuses another's KV."""
     from config import EngineConfig, PolicyConfig
     from engine import Engine
     from policy import Question, Request
     from prompt import Prompter
     pr = Prompter(ckpt_dir)
     words = "the ship left the harbour at noon with grain for the islands and the office logged it".split()
-    context = " ".join(words[i % len(words)] for i in range(stem_tokens))
-    while len(pr.stem("", context, [], "Which ship?", ["a", "b", "c", "d"], []).tokens) > stem_tokens:
-        context = context[: int(len(context) * 0.95)]
     cfg = EngineConfig(model_dir=ckpt_dir, max_len=2304, max_batch=64, serial=True,
                        policy=PolicyConfig(tau=0.8, cap=16))
     eng = Engine(m, pr, cfg)
     eng.start()
+    rows = []
     try:
-        t0 = time.perf_counter()
-        res = eng.submit(Request(id="bench", context=context, policy=cfg.policy, questions=[
-            Question(id="q", text="Which ship?", choices=["a", "b", "c", "d"])])).result(timeout=300)
-        wall = time.perf_counter() - t0
+        for i in range(repeats):
+            context = f"Run {i}: " + " ".join(words[(i + j) % len(words)] for j in range(stem_tokens))
+            while len(pr.stem("", context, [], "Which ship?", ["a", "b", "c", "d"], []).tokens) > stem_tokens:
+                context = context[: int(len(context) * 0.95)]
+            t0 = time.perf_counter()
+            res = eng.submit(Request(id=f"bench-{i}", context=context, policy=cfg.policy, questions=[
+                Question(id="q", text="Which ship?", choices=["a", "b", "c", "d"])])).result(timeout=300)
+            rows.append((res, time.perf_counter() - t0))
     finally:
         eng.stop(drain_timeout=5)
-    a = res["answers"][0]
+    a, ms = rows[0][0]["answers"][0], [r["answers"][0]["trace"][0]["ms"] for r, _ in rows]
     return {"decision": f"{a['answer']} {a['stop']} {a['reasoning_tokens']} tokens",
-            "readout_ms_engine": a["trace"][0]["ms"], "decision_wall_ms": round(wall * 1e3, 1),
-            "decision_prompt_tokens": res["usage"]["prompt_tokens"]}
+            "readout_ms_engine": round(float(np.median(ms)), 2), "readout_ms_engine_each": ms,
+            "decision_wall_ms": round(float(np.median([w for _, w in rows])) * 1e3, 1),
+            "decision_prompt_tokens": rows[0][0]["usage"]["prompt_tokens"]}
 
 
 def model_figures(ckpt_dir, profile=True, log=print):

@@ -5542,6 +5542,17 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     assert made[1].closed
 
 
+def test_bench_decide_times_each_readout_on_the_demo_model():
+    """bench.decide on the CPU demo model: every question answered through one engine, the readout time the
+    median of the questions' own, each stem close to 512 tokens."""
+    m = model_mod.load(DEMO, device="cpu")
+    r = bench.decide(m, DEMO, repeats=3)
+    assert len(r["readout_ms_engine_each"]) == 3 and all(x > 0 for x in r["readout_ms_engine_each"])
+    assert r["readout_ms_engine"] == round(float(np.median(r["readout_ms_engine_each"])), 2)
+    assert 480 <= r["decision_prompt_tokens"] <= 512
+    assert re.fullmatch(r"[a-d] \w+ \d+ tokens", r["decision"]), r["decision"]
+
+
 def test_cli_failed_part_is_reported_in_the_json(tmp_path):
     """A server that cannot start (config.json, no weights): the error is in the JSON's "errors", which is still
     the last line, and the exit status is 1."""
