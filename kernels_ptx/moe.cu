@@ -163,10 +163,11 @@ extern "C" __global__ void __launch_bounds__(256) moe_fp4_repack(uint32_t* __res
 
 // ---------------------------------------------------------------------------------------------------
 // combine (combine.cuh's arithmetic): out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index, of
-// f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert is outside [0, E) are skipped. grid (T, ceil(H / (8 COMB_THREADS))), block COMB_THREADS; k <= 16. Thread i owns
-// columns 8i .. 8i + 7 of its CTA's 8 COMB_THREADS: it requests every slot's 8 columns at once (16-byte loads when
-// H % 8 == 0, so the rows are 16-byte aligned; element loads otherwise), then adds them column by column in slot
-// order (the same adds as one column per thread: a memory-bound kernel with all of a token's loads in flight).
+// f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert is outside [0, E) are skipped. grid (T,
+// ceil(H / (8 COMB_THREADS))), block COMB_THREADS; k <= 16. Thread i owns columns 8i .. 8i + 7 of its CTA's
+// 8 COMB_THREADS: it requests its slots' 8 columns 8 slots at a time (16-byte loads when H % 8 == 0, so the rows are
+// 16-byte aligned; element loads otherwise), then adds them column by column in slot order (the same adds as one
+// column per thread: a memory-bound kernel with a token's loads in flight together).
 #define COMB_THREADS 128
 extern "C" __global__ void __launch_bounds__(COMB_THREADS) moe_combine_bf16(
     const bf16* __restrict__ o,          // (P, H)
