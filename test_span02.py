@@ -4609,6 +4609,52 @@ def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
         assert (sent[-1][B:B + n] == [sq.start for sq in seqs]).all()
 
 
+def test_decode_step_outputs_from_the_one_download():
+    """model_gpu's decode step after its replay (no GPU: the download stubbed with known words): argmax rows, readout
+    rows (keys in any order, shared by rows) and rows that ask for nothing get exactly their values."""
+    import model_gpu
+    from model import SeqOut, SeqStep
+
+    class FakeG:
+        def empty(self, shape, dtype):
+            return np.zeros(shape, dtype)
+
+        def view(self, a, off, shape, dtype):
+            return None
+
+        def upload(self, host, out=None):
+            pass
+
+        def download(self, a, out=None):
+            return out
+
+    class Replay:
+        def replay(self):
+            pass
+
+    class Stub:
+        g, max_blocks, scratch_block, decode_graph_steps = FakeG(), 4, 99, 0
+        _decode_inputs, _out = model_gpu.GpuModel._decode_inputs, staticmethod(model_gpu.GpuModel._out)
+
+    B, K, rng = 8, model_gpu.MAX_KEYS_OUT, np.random.default_rng(8)
+    stub = Stub()
+    stub._dec, stub.decode_graphs = {B: model_gpu.GpuModel._decode_buffers(stub, B)}, {B: Replay()}
+    host = stub._dec[B]["host_out"]
+    host[:B].view(np.int32)[:] = rng.integers(0, 1000, B)
+    host[B:] = rng.normal(0, 3, host.size - B).astype(np.float32)
+    seqs = [SeqStep((5,), 20, (1, 2), argmax=True), SeqStep((6,), 21, (3, 4), readout=(40, 17, 23)),
+            SeqStep((7,), 22, (5,)), SeqStep((8,), 23, (6,), readout=(23, 40), argmax=True)]
+    outs = model_gpu.GpuModel._decode_step(stub, B, seqs)
+    am, lse, ko = host[:B].view(np.int32), host[B:2 * B], host[2 * B:].reshape(B, K)
+    keys = [17, 23, 40]                                  # sorted: the order of keys_out's columns
+    want = [SeqOut(argmax=int(am[0])),
+            SeqOut(key_logits=tuple(float(ko[1, keys.index(k)]) for k in (40, 17, 23)), logsumexp=float(lse[1])),
+            SeqOut(),
+            SeqOut(argmax=int(am[3]), key_logits=(float(ko[3, 1]), float(ko[3, 2])), logsumexp=float(lse[3]))]
+    assert outs == want
+    assert all(type(o.argmax) is int for o in outs if o.argmax is not None) and stub.decode_graph_steps == 1
+
+
 @pytest.fixture(scope="module")
 def graph_pair():
     on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024)
