@@ -4551,6 +4551,25 @@ def test_gpu_moe_with_router(g, real):
 # step of a second instance (graphs=False): byte-identical outputs, no allocation, one host sync per step.
 
 
+class _HostOnlyGpu:
+    """Enough of gpu.GPU for model_gpu's decode host code without a GPU: host buffers only; uploads are recorded
+    (`sent`), a download returns the host array it was given (the test fills it)."""
+    def __init__(self):
+        self.sent = []
+
+    def empty(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def view(self, a, off, shape, dtype):
+        return None
+
+    def upload(self, host, out=None):
+        self.sent.append(host.copy())
+
+    def download(self, a, out=None):
+        return out
+
+
 def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
     """model_gpu's decode host inputs (no GPU: host mirrors only): over steps where rows grow, reorder, finish and
     are replaced by sequences that reuse freed blocks (also one with the same length and last block as the row's
@@ -4558,21 +4577,12 @@ def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
     import model_gpu
     from model import SeqStep
 
-    class FakeG:
-        def empty(self, shape, dtype):
-            return np.zeros(shape, dtype)
-
-        def view(self, a, off, shape, dtype):
-            return None
-
-        def upload(self, host, out=None):
-            sent.append(host.copy())
-
     class Stub:
-        g, max_blocks, scratch_block = FakeG(), 12, 999
+        g, max_blocks, scratch_block = _HostOnlyGpu(), 12, 999
 
-    sent, B, rng = [], 8, np.random.default_rng(4)
+    B, rng = 8, np.random.default_rng(4)
     stub = Stub()
+    sent = stub.g.sent
     d = model_gpu.GpuModel._decode_buffers(stub, B)
     free = list(range(200))
     live = [[free.pop(0) for _ in range(int(rng.integers(1, 5)))] for _ in range(6)]
@@ -4615,25 +4625,12 @@ def test_decode_step_outputs_from_the_one_download():
     import model_gpu
     from model import SeqOut, SeqStep
 
-    class FakeG:
-        def empty(self, shape, dtype):
-            return np.zeros(shape, dtype)
-
-        def view(self, a, off, shape, dtype):
-            return None
-
-        def upload(self, host, out=None):
-            pass
-
-        def download(self, a, out=None):
-            return out
-
     class Replay:
         def replay(self):
             pass
 
     class Stub:
-        g, max_blocks, scratch_block, decode_graph_steps = FakeG(), 4, 99, 0
+        g, max_blocks, scratch_block, decode_graph_steps = _HostOnlyGpu(), 4, 99, 0
         _decode_inputs, _out = model_gpu.GpuModel._decode_inputs, staticmethod(model_gpu.GpuModel._out)
 
     B, K, rng = 8, model_gpu.MAX_KEYS_OUT, np.random.default_rng(8)
