@@ -45,16 +45,25 @@ __device__ __forceinline__ float warp_sum(float v) {
 // ---------------------------------------------------------------------------------------------------------
 // qk_norm_rope_bf16: per (row t, head) RMSNorm over D (q: q_norm weight, k: k_norm weight, v: no weight),
 // then NeoX RoPE on q and k: pair (i, i + D/2) rotated by angle float(pos[t]) * inv_freq[i] (fp32 angle).
-// grid (T, Hq + 2*Hkv): blockIdx.y < Hq -> q head; < Hq+Hkv -> k head; else v head. block D/2 threads
-// (D % 64 == 0: whole warps, D = 64 is one warp), thread i owns elements i and i + D/2. Inputs are read
-// with row strides (elements) so a fused QKV projection output can be read in place; for k=v layers pass
-// v_in = the raw k (V = v_norm(raw k)).
+// grid (T, ny), block 256 (8 warps): ny CTAs per row (ny = 1 for long prompts; a few for decode, to spread a
+// short batch over the SMs). A CTA computes the row's cos / sin of its D/2 angles once into shared memory
+// (full-precision sincosf), then its warp w takes heads 8 y + w, 8 (y + ny) + w, .. of the row's Hq + 2 Hkv
+// (q heads, then k, then v), each head's loads issued before the previous head's (or the cos / sin) work. Lane l owns pairs (i, i + D/2) for i = l + 32 j, j < D/64. The sum of squares is fixed by D
+// alone: per pair fmaf(xb, xb, xa * xa); per j the 32 lanes' values by the xor butterfly of warp_sum; the D/64
+// partials then added in increasing j from 0.f. So a row's bytes do not depend on the launch.
+// Inputs are read with row strides (elements) so a fused QKV projection output can be read in place; for k=v
+// layers pass v_in = the raw k (V = v_norm(raw k)).
 // Outputs are dense: q_out (T, Hq, D), k_out (T, Hkv, D), v_out (T, Hkv, D) (k_out / v_out may be null).
 // Fused KV write (k_pool non-null): the k and v rows also go straight into the paged pools (blocks, 16, Hkv, D)
 // at pool row block_tables[rows_seq[t] * max_blocks + pos / 16] * 16 + pos % 16 (pos = positions[t]), the
 // same bytes kv_write_bf16 would store.
+// (Until 2026-11: a CTA per (row, head) of D/2 threads, pair i in thread i, the same sums: 32 Hq + 2 Hkv CTAs a
+// row, and sincosf recomputed per head; BENCHMARKS.md, twelfth session.)
 // ---------------------------------------------------------------------------------------------------------
-extern "C" __global__ void qk_norm_rope_bf16(
+#define QK_WARPS 8
+#define QK_MAXJ 8                                    // D / 64 <= 8: D <= 512
+
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_bf16(
     const __nv_bfloat16* __restrict__ q_in, int q_stride,
     const __nv_bfloat16* __restrict__ k_in, int k_stride,
     const __nv_bfloat16* __restrict__ v_in, int v_stride,
@@ -64,63 +73,97 @@ extern "C" __global__ void qk_norm_rope_bf16(
     __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_out, __nv_bfloat16* __restrict__ v_out,
     __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
     const int* __restrict__ rows_seq, const int* __restrict__ block_tables, int max_blocks) {
+    __shared__ float cs[512];                        // cos of the D/2 angles, then their sin
+    __shared__ float wqk[1024];                      // q_w, then k_w (fp32)
+    const int t = blockIdx.x, half = D >> 1, nj = D >> 6;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {     // weights: nothing earlier kernels write
+        wqk[i] = __bfloat162float(q_w[i]);
+        wqk[D + i] = __bfloat162float(k_w[i]);
+    }
+    const int H = Hq + 2 * Hkv, step = QK_WARPS * gridDim.y;
+    auto head_src = [&](int hy) {                    // head hy's input row: q, k, then v heads
+        if (hy < Hq) return q_in + (size_t)t * q_stride + (size_t)hy * D;
+        if (hy < Hq + Hkv) return k_in + (size_t)t * k_stride + (size_t)(hy - Hq) * D;
+        return v_in + (size_t)t * v_stride + (size_t)(hy - Hq - Hkv) * D;
+    };
+    float xa[QK_MAXJ], xb[QK_MAXJ];
+    auto load = [&](int hy) {
+        const __nv_bfloat16* src = head_src(hy);
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++) {
+            if (j < nj) {
+                xa[j] = __bfloat162float(src[32 * j + lane]);
+                xb[j] = __bfloat162float(src[half + 32 * j + lane]);
+            }
+        }
+    };
+    int hy = blockIdx.y * QK_WARPS + warp;
     pdl_entry();
-    __shared__ float red[32];
-    const int t = blockIdx.x, hy = blockIdx.y, i = threadIdx.x, half = D >> 1;
-    const __nv_bfloat16* src;
-    const __nv_bfloat16* w;
-    __nv_bfloat16* dst;
-    __nv_bfloat16* pool = nullptr;                   // k or v pool when the KV write is fused
-    int kh = 0;                                      // kv head
-    bool rope;
-    if (hy < Hq) {                                   // q head hy
-        src = q_in + (size_t)t * q_stride + (size_t)hy * D;
-        dst = q_out + ((size_t)t * Hq + hy) * D;
-        w = q_w; rope = true;
-    } else if (hy < Hq + Hkv) {                      // k head hy - Hq
-        const int h = hy - Hq;
-        src = k_in + (size_t)t * k_stride + (size_t)h * D;
-        dst = k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr;
-        w = k_w; rope = true; pool = k_pool; kh = h;
-    } else {                                         // v head hy - Hq - Hkv: no weight, no rope
-        const int h = hy - Hq - Hkv;
-        src = v_in + (size_t)t * v_stride + (size_t)h * D;
-        dst = v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr;
-        w = nullptr; rope = false; pool = v_pool; kh = h;
-    }
-    const float xa = __bfloat162float(src[i]), xb = __bfloat162float(src[i + half]);
-    float ss = __fmaf_rn(xb, xb, __fmul_rn(xa, xa));
-    ss = warp_sum(ss);
-    const int nw = (half + 31) >> 5;
-    if ((i & 31) == 0) red[i >> 5] = ss;
-    __syncthreads();
-    float tot = 0.f;
-    for (int k = 0; k < nw; k++) tot = __fadd_rn(tot, red[k]);       // same order in every thread
-    const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
-    float ya = __fmul_rn(xa, r), yb = __fmul_rn(xb, r);
-    if (w) {
-        ya = __fmul_rn(ya, __bfloat162float(w[i]));
-        yb = __fmul_rn(yb, __bfloat162float(w[i + half]));
-    }
-    if (rope) {
-        const float ang = __fmul_rn((float)positions[t], inv_freq[i]);
+    const int p = positions[t];
+    if (hy < H) load(hy);                            // the first head's loads fly while cos / sin are computed
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        sincosf(ang, &s, &c);                        // full-precision library sincos (not __sinf)
-        const float oa = __fsub_rn(__fmul_rn(ya, c), __fmul_rn(yb, s));
-        const float ob = __fadd_rn(__fmul_rn(yb, c), __fmul_rn(ya, s));
-        ya = oa; yb = ob;
+        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);   // full-precision library sincos (not __sinf)
+        cs[i] = c;
+        cs[half + i] = s;
     }
-    const __nv_bfloat16 ba = __float2bfloat16_rn(ya), bb = __float2bfloat16_rn(yb);
-    if (dst) {
-        dst[i] = ba;
-        dst[i + half] = bb;
-    }
-    if (pool && k_pool) {
-        const int p = positions[t];
-        const size_t slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
-        __nv_bfloat16* pd = pool + (slot * Hkv + kh) * D;
-        pd[i] = ba;
-        pd[i + half] = bb;
+    size_t slot = 0;
+    if (k_pool)
+        slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
+    __syncthreads();
+    while (hy < H) {
+        const float* w = wqk;                        // q_w, k_w (both: then rope) or none (v)
+        __nv_bfloat16 *dst, *pool = nullptr;
+        if (hy < Hq) {
+            dst = q_out + ((size_t)t * Hq + hy) * D;
+        } else if (hy < Hq + Hkv) {
+            const int h = hy - Hq;
+            dst = k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr;
+            pool = k_pool ? k_pool + (slot * Hkv + h) * D : nullptr;
+            w = wqk + D;
+        } else {
+            const int h = hy - Hq - Hkv;
+            dst = v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr;
+            pool = k_pool ? v_pool + (slot * Hkv + h) * D : nullptr;
+            w = nullptr;
+        }
+        float tot = 0.f;
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++)
+            if (j < nj) tot = __fadd_rn(tot, warp_sum(__fmaf_rn(xb[j], xb[j], __fmul_rn(xa[j], xa[j]))));
+        const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
+        float ya[QK_MAXJ], yb[QK_MAXJ];
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++) {
+            ya[j] = __fmul_rn(xa[j], r);
+            yb[j] = __fmul_rn(xb[j], r);
+        }
+        hy += step;
+        if (hy < H) load(hy);                        // the next head's loads fly while this one is stored
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++) {
+            if (j >= nj) break;
+            const int i = 32 * j + lane;
+            float a = ya[j], b = yb[j];
+            if (w) {
+                a = __fmul_rn(a, w[i]);
+                b = __fmul_rn(b, w[i + half]);
+                const float c = cs[i], s = cs[half + i];
+                const float oa = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+                const float ob = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+                a = oa; b = ob;
+            }
+            const __nv_bfloat16 ba = __float2bfloat16_rn(a), bb = __float2bfloat16_rn(b);
+            if (dst) {
+                dst[i] = ba;
+                dst[i + half] = bb;
+            }
+            if (pool) {
+                pool[i] = ba;
+                pool[i + half] = bb;
+            }
+        }
     }
 }
 

@@ -125,11 +125,12 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     q_out (T, Hq, D) bf16; k_out / v_out (T, Hkv, D) bf16 or None (then kv is needed); inputs see `_row_src`
     (v_in None: k=v layer, V = v_norm(raw k)); q_norm_w / k_norm_w (D,) bf16; inv_freq (D/2,) float32
     (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
-    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2."""
+    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, ny), block 256: a warp per
+    head, ny CTAs a row (1 for long prompts)."""
     T, Hq, D = q_out.shape
     Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
-    if D % 64 or not 64 <= D <= 2048:                   # block D/2 threads: whole warps (D = 64: one warp)
-        raise ValueError(f"head_dim {D}: a multiple of 64 up to 2048")
+    if D % 64 or not 64 <= D <= 512:                    # a lane: D/64 pairs; the row's cos / sin in 2 KiB
+        raise ValueError(f"head_dim {D}: a multiple of 64 up to 512")
     if k_out is None and kv is None:
         raise ValueError("k_out / v_out None needs kv (the pools to write)")
     _need(q_out, (T, Hq, D), "bf16", "q_out")
@@ -157,7 +158,9 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     if T == 0:
         return
     f = g.module("attention").function("qk_norm_rope_bf16")
-    g.launch(f, grid=(T, Hq + 2 * Hkv, 1), block=(D // 2, 1, 1),
+    heads = Hq + 2 * Hkv                                # ny CTAs a row: about 2 CTAs an SM in all, <= a warp a head
+    ny = max(1, min(-(-heads // 8), -(-2 * g.sm_count // T)))
+    g.launch(f, grid=(T, ny, 1), block=(256, 1, 1),
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
                    q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
 
