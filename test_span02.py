@@ -9,6 +9,7 @@ import filecmp
 import gzip
 import hashlib
 import http.client
+import inspect
 import io
 import json
 import math
@@ -1029,6 +1030,10 @@ BUDGETS = (70, 140, 280, 560, 1120)
 
 @pytest.fixture(scope="module")
 def hf():
+    # The reference is the pinned transformers (requirements-test.txt). Older ones (5.17, on the GPU machine) have no
+    # convert_to_rgb(return_numpy=) and convert transparent images differently: no reference to compare against.
+    if "return_numpy" not in inspect.signature(convert_to_rgb).parameters:
+        pytest.skip(f"transformers {transformers.__version__} predates the pinned reference (requirements-test.txt)")
     return transformers_gemma4.Gemma4ImageProcessorPil()
 
 
@@ -3723,7 +3728,7 @@ def test_gpu_qkv_prep(g, geo):
     d_inv, d_wq, d_wk = g.upload(inv), g.upload(wq), g.upload(wk)
     nv = 0 if k_eq_v else Hkv
     full = None
-    for T in (1, 3, 17, 37):
+    for T in (1, 3, 17, 300):                          # 300 rows: one CTA a row; fewer: several
         pos = rng.integers(0, 9000, T).astype(np.int32)
         fused = bf(rng.standard_normal((T, (HQ + Hkv + nv) * D), np.float32) * 3.0)   # [q | k | v] per row
         qi = fused[:, :HQ * D].reshape(T, HQ, D)
@@ -3752,12 +3757,12 @@ def test_gpu_qkv_prep(g, geo):
             report(f"qkv_prep {geo} T={T} {name}", o.reshape(T, -1), r.reshape(T, -1))
         for a, b in zip(res[0], res[1]):
             assert (bits(a) == bits(b)).all(), "strided (fused) input differs from dense input"
-        if T == 37:
+        if T == 300:
             full = (pos, qi, ki, vi, res[0])
         for a in [dpos, dq, dk, dv, df] + outs:
             if a is not None:
                 g.free(a)
-    # batch invariance: row 5 of the T=37 launch alone
+    # batch invariance: row 5 of the T=300 launch (one CTA a row) alone (its heads spread over several CTAs)
     pos, qi, ki, vi, res = full
     r = 5
     one = [g.empty((1, HQ, D), BF), g.empty((1, Hkv, D), BF), g.empty((1, Hkv, D), BF)]
