@@ -3728,7 +3728,7 @@ def test_gpu_qkv_prep(g, geo):
     d_inv, d_wq, d_wk = g.upload(inv), g.upload(wq), g.upload(wk)
     nv = 0 if k_eq_v else Hkv
     full = None
-    for T in (1, 3, 17, 300):                          # 300 rows: one CTA a row; fewer: several
+    for T in (1, 3, 17, 300):                          # 300 rows: the row kernel; fewer: the per-head kernel
         pos = rng.integers(0, 9000, T).astype(np.int32)
         fused = bf(rng.standard_normal((T, (HQ + Hkv + nv) * D), np.float32) * 3.0)   # [q | k | v] per row
         qi = fused[:, :HQ * D].reshape(T, HQ, D)
@@ -3762,7 +3762,7 @@ def test_gpu_qkv_prep(g, geo):
         for a in [dpos, dq, dk, dv, df] + outs:
             if a is not None:
                 g.free(a)
-    # batch invariance: row 5 of the T=300 launch (one CTA a row) alone (its heads spread over several CTAs)
+    # batch invariance, and the two kernels' bytes: row 5 of the T=300 launch (row kernel) alone (per-head kernel)
     pos, qi, ki, vi, res = full
     r = 5
     one = [g.empty((1, HQ, D), BF), g.empty((1, Hkv, D), BF), g.empty((1, Hkv, D), BF)]

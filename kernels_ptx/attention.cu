@@ -43,36 +43,110 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// qk_norm_rope_bf16: per (row t, head) RMSNorm over D (q: q_norm weight, k: k_norm weight, v: no weight),
-// then NeoX RoPE on q and k: pair (i, i + D/2) rotated by angle float(pos[t]) * inv_freq[i] (fp32 angle).
-// grid (T, ny), block 256 (8 warps): ny CTAs per row (ny = 1 for long prompts; a few for decode, to spread a
-// short batch over the SMs). A CTA computes the row's cos / sin of its D/2 angles once into shared memory
-// (full-precision sincosf), then its warp w takes heads 8 y + w, 8 (y + ny) + w, .. of the row's Hq + 2 Hkv
-// (q heads, then k, then v), each head's loads issued before the previous head's (or the cos / sin) work. Lane l owns pairs (i, i + D/2) for i = l + 32 j, j < D/64. The sum of squares is fixed by D
-// alone: per pair fmaf(xb, xb, xa * xa); per j the 32 lanes' values by the xor butterfly of warp_sum; the D/64
-// partials then added in increasing j from 0.f. So a row's bytes do not depend on the launch.
+// q / k / v norm + rope, two launch shapes with one arithmetic (layers/attention.py qkv_prep_gpu picks by T):
+// per (row t, head) RMSNorm over D (q: q_norm weight, k: k_norm weight, v: no weight), then NeoX RoPE on q and
+// k: pair (i, i + D/2) rotated by angle float(pos[t]) * inv_freq[i] (fp32 angle, full-precision sincosf).
+// Head hy of a row: hy < Hq a q head, then Hkv k heads, then Hkv v heads. The sum of squares is fixed by D alone:
+// per pair i fmaf(xb, xb, xa * xa); the 32 pairs i = 32 j + l (l = 0..31) added by the xor butterfly of
+// warp_sum; the D/64 partials then added in increasing j from 0.f. So a row's bytes do not depend on the kernel.
 // Inputs are read with row strides (elements) so a fused QKV projection output can be read in place; for k=v
 // layers pass v_in = the raw k (V = v_norm(raw k)).
 // Outputs are dense: q_out (T, Hq, D), k_out (T, Hkv, D), v_out (T, Hkv, D) (k_out / v_out may be null).
 // Fused KV write (k_pool non-null): the k and v rows also go straight into the paged pools (blocks, 16, Hkv, D)
 // at pool row block_tables[rows_seq[t] * max_blocks + pos / 16] * 16 + pos % 16 (pos = positions[t]), the
 // same bytes kv_write_bf16 would store.
-// (Until 2026-11: a CTA per (row, head) of D/2 threads, pair i in thread i, the same sums: 32 Hq + 2 Hkv CTAs a
-// row, and sincosf recomputed per head; BENCHMARKS.md, twelfth session.)
+//   qk_norm_rope_bf16 (decode, small T): grid (T, Hq + 2 Hkv), block D/2 (D % 64 == 0: whole warps); thread i
+//     owns pair i; the warps' partials meet in shared memory.
+//   qk_norm_rope_rows_bf16 (prefill): grid (T, ny), block 256; a CTA computes its row's D/2 cos / sin once into
+//     shared memory, then warp w of CTA y takes heads 8 y + w, 8 (y + ny) + w, ..; lane l owns pairs l + 32 j.
+//     D <= 512. (At 2,048 tokens 1,464 us against the per-head shape's 2,525: BENCHMARKS.md, twelfth session.)
 // ---------------------------------------------------------------------------------------------------------
+#define QK_PARAMS                                                                                             \
+    const __nv_bfloat16 *__restrict__ q_in, int q_stride, const __nv_bfloat16 *__restrict__ k_in, int k_stride, \
+        const __nv_bfloat16 *__restrict__ v_in, int v_stride, const __nv_bfloat16 *__restrict__ q_w,           \
+        const __nv_bfloat16 *__restrict__ k_w, const float *__restrict__ inv_freq,                              \
+        const int *__restrict__ positions, int Hq, int Hkv, int D, float eps, __nv_bfloat16 *__restrict__ q_out, \
+        __nv_bfloat16 *__restrict__ k_out, __nv_bfloat16 *__restrict__ v_out, __nv_bfloat16 *__restrict__ k_pool, \
+        __nv_bfloat16 *__restrict__ v_pool, const int *__restrict__ rows_seq, const int *__restrict__ block_tables, \
+        int max_blocks
+
+struct QkHead {
+    const __nv_bfloat16* src;
+    __nv_bfloat16* dst;                              // null: no dense output
+    __nv_bfloat16* pool;                             // the head's row in the k or v pool; null: no fused write
+    int w;                                           // 0: q_w, 1: k_w (both then rope), -1: no weight, no rope
+};
+
+// Head hy of row t; slot = the row's pool row (used when k_pool is non-null).
+__device__ __forceinline__ QkHead qk_head(int t, int hy, size_t slot, QK_PARAMS) {
+    if (hy < Hq)
+        return {q_in + (size_t)t * q_stride + (size_t)hy * D, q_out + ((size_t)t * Hq + hy) * D, nullptr, 0};
+    if (hy < Hq + Hkv) {
+        const int h = hy - Hq;
+        return {k_in + (size_t)t * k_stride + (size_t)h * D, k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr,
+                k_pool ? k_pool + (slot * Hkv + h) * D : nullptr, 1};
+    }
+    const int h = hy - Hq - Hkv;
+    return {v_in + (size_t)t * v_stride + (size_t)h * D, v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr,
+            k_pool ? v_pool + (slot * Hkv + h) * D : nullptr, -1};
+}
+
+__device__ __forceinline__ size_t qk_slot(int t, int p, const int* __restrict__ rows_seq,
+                                          const int* __restrict__ block_tables, int max_blocks) {
+    return (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
+}
+
+// Pair (i, i + D/2) of a head: normed by r, weighted (w >= 0: wv = its weights, then rotated by c, s), stored.
+__device__ __forceinline__ void qk_store(const QkHead& hd, int i, int half, float xa, float xb, float r, float wa,
+                                         float wb, float c, float s) {
+    float ya = __fmul_rn(xa, r), yb = __fmul_rn(xb, r);
+    if (hd.w >= 0) {
+        ya = __fmul_rn(ya, wa);
+        yb = __fmul_rn(yb, wb);
+        const float oa = __fsub_rn(__fmul_rn(ya, c), __fmul_rn(yb, s));
+        const float ob = __fadd_rn(__fmul_rn(yb, c), __fmul_rn(ya, s));
+        ya = oa; yb = ob;
+    }
+    const __nv_bfloat16 ba = __float2bfloat16_rn(ya), bb = __float2bfloat16_rn(yb);
+    if (hd.dst) {
+        hd.dst[i] = ba;
+        hd.dst[i + half] = bb;
+    }
+    if (hd.pool) {
+        hd.pool[i] = ba;
+        hd.pool[i + half] = bb;
+    }
+}
+
+extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
+    pdl_entry();
+    __shared__ float red[32];
+    const int t = blockIdx.x, i = threadIdx.x, half = D >> 1, p = positions[t];
+    const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
+    const QkHead hd = qk_head(t, blockIdx.y, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, q_w, k_w, inv_freq,
+                              positions, Hq, Hkv, D, eps, q_out, k_out, v_out, k_pool, v_pool, rows_seq, block_tables,
+                              max_blocks);
+    const float xa = __bfloat162float(hd.src[i]), xb = __bfloat162float(hd.src[i + half]);
+    const float ss = warp_sum(__fmaf_rn(xb, xb, __fmul_rn(xa, xa)));
+    if ((i & 31) == 0) red[i >> 5] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int j = 0; j < (half >> 5); j++) tot = __fadd_rn(tot, red[j]);      // same order in every thread
+    const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
+    float wa = 0.f, wb = 0.f, s = 0.f, c = 0.f;
+    if (hd.w >= 0) {
+        const __nv_bfloat16* w = hd.w ? k_w : q_w;
+        wa = __bfloat162float(w[i]);
+        wb = __bfloat162float(w[i + half]);
+        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
+    }
+    qk_store(hd, i, half, xa, xb, r, wa, wb, c, s);
+}
+
 #define QK_WARPS 8
 #define QK_MAXJ 8                                    // D / 64 <= 8: D <= 512
 
-extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_bf16(
-    const __nv_bfloat16* __restrict__ q_in, int q_stride,
-    const __nv_bfloat16* __restrict__ k_in, int k_stride,
-    const __nv_bfloat16* __restrict__ v_in, int v_stride,
-    const __nv_bfloat16* __restrict__ q_w, const __nv_bfloat16* __restrict__ k_w,
-    const float* __restrict__ inv_freq, const int* __restrict__ positions,
-    int Hq, int Hkv, int D, float eps,
-    __nv_bfloat16* __restrict__ q_out, __nv_bfloat16* __restrict__ k_out, __nv_bfloat16* __restrict__ v_out,
-    __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
-    const int* __restrict__ rows_seq, const int* __restrict__ block_tables, int max_blocks) {
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf16(QK_PARAMS) {
     __shared__ float cs[512];                        // cos of the D/2 angles, then their sin
     __shared__ float wqk[1024];                      // q_w, then k_w (fp32)
     const int t = blockIdx.x, half = D >> 1, nj = D >> 6;
@@ -82,52 +156,34 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_bf16(
         wqk[D + i] = __bfloat162float(k_w[i]);
     }
     const int H = Hq + 2 * Hkv, step = QK_WARPS * gridDim.y;
-    auto head_src = [&](int hy) {                    // head hy's input row: q, k, then v heads
-        if (hy < Hq) return q_in + (size_t)t * q_stride + (size_t)hy * D;
-        if (hy < Hq + Hkv) return k_in + (size_t)t * k_stride + (size_t)(hy - Hq) * D;
-        return v_in + (size_t)t * v_stride + (size_t)(hy - Hq - Hkv) * D;
-    };
-    float xa[QK_MAXJ], xb[QK_MAXJ];
-    auto load = [&](int hy) {
-        const __nv_bfloat16* src = head_src(hy);
-#pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++) {
-            if (j < nj) {
-                xa[j] = __bfloat162float(src[32 * j + lane]);
-                xb[j] = __bfloat162float(src[half + 32 * j + lane]);
-            }
-        }
-    };
     int hy = blockIdx.y * QK_WARPS + warp;
     pdl_entry();
     const int p = positions[t];
-    if (hy < H) load(hy);                            // the first head's loads fly while cos / sin are computed
+    const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
+    float xa[QK_MAXJ], xb[QK_MAXJ];
+    auto load = [&](const QkHead& hd) {
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++) {
+            if (j < nj) {
+                xa[j] = __bfloat162float(hd.src[32 * j + lane]);
+                xb[j] = __bfloat162float(hd.src[half + 32 * j + lane]);
+            }
+        }
+    };
+    auto head = [&](int h) {
+        return qk_head(t, h, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, q_w, k_w, inv_freq, positions, Hq,
+                       Hkv, D, eps, q_out, k_out, v_out, k_pool, v_pool, rows_seq, block_tables, max_blocks);
+    };
+    QkHead hd = head(hy < H ? hy : 0);
+    if (hy < H) load(hd);                            // the first head's loads fly while cos / sin are computed
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);   // full-precision library sincos (not __sinf)
+        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
         cs[i] = c;
         cs[half + i] = s;
     }
-    size_t slot = 0;
-    if (k_pool)
-        slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
     __syncthreads();
     while (hy < H) {
-        const float* w = wqk;                        // q_w, k_w (both: then rope) or none (v)
-        __nv_bfloat16 *dst, *pool = nullptr;
-        if (hy < Hq) {
-            dst = q_out + ((size_t)t * Hq + hy) * D;
-        } else if (hy < Hq + Hkv) {
-            const int h = hy - Hq;
-            dst = k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr;
-            pool = k_pool ? k_pool + (slot * Hkv + h) * D : nullptr;
-            w = wqk + D;
-        } else {
-            const int h = hy - Hq - Hkv;
-            dst = v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr;
-            pool = k_pool ? v_pool + (slot * Hkv + h) * D : nullptr;
-            w = nullptr;
-        }
         float tot = 0.f;
 #pragma unroll
         for (int j = 0; j < QK_MAXJ; j++)
@@ -136,33 +192,21 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_bf16(
         float ya[QK_MAXJ], yb[QK_MAXJ];
 #pragma unroll
         for (int j = 0; j < QK_MAXJ; j++) {
-            ya[j] = __fmul_rn(xa[j], r);
-            yb[j] = __fmul_rn(xb[j], r);
+            ya[j] = xa[j];
+            yb[j] = xb[j];
         }
+        const QkHead cur = hd;
         hy += step;
-        if (hy < H) load(hy);                        // the next head's loads fly while this one is stored
+        if (hy < H) {                                // the next head's loads fly while this one is stored
+            hd = head(hy);
+            load(hd);
+        }
+        const float* w = wqk + (cur.w > 0 ? D : 0);
 #pragma unroll
         for (int j = 0; j < QK_MAXJ; j++) {
             if (j >= nj) break;
             const int i = 32 * j + lane;
-            float a = ya[j], b = yb[j];
-            if (w) {
-                a = __fmul_rn(a, w[i]);
-                b = __fmul_rn(b, w[i + half]);
-                const float c = cs[i], s = cs[half + i];
-                const float oa = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-                const float ob = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-                a = oa; b = ob;
-            }
-            const __nv_bfloat16 ba = __float2bfloat16_rn(a), bb = __float2bfloat16_rn(b);
-            if (dst) {
-                dst[i] = ba;
-                dst[i + half] = bb;
-            }
-            if (pool) {
-                pool[i] = ba;
-                pool[i + half] = bb;
-            }
+            qk_store(cur, i, half, ya[j], yb[j], r, w[i], w[i + half], cs[i], cs[half + i]);
         }
     }
 }

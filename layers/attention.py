@@ -119,18 +119,25 @@ def _row_src(g, a, T, heads, D, name):
     return a, heads * D
 
 
+# qkv_prep_gpu's kernel: a CTA per (row, head) up to this many rows, then a row per CTA (H200, twelfth session, us
+# a launch, head / row kernel, d256 and d512: T = 16 2.7 / 3.7 and 2.9 / 4.4; T = 64 4.1 / 4.6 and 4.8 / 4.6;
+# T = 507 20.7 / 11.0 and 23.8 / 11.6).
+QK_HEAD_MAX_T = 64
+
+
 def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, eps, q_out, k_out, v_out,
                  kv=None):
     """q = rope(q_norm(q_in)), k = rope(k_norm(k_in)), v = v_norm(v_in) (no weight, no rope) in one launch.
     q_out (T, Hq, D) bf16; k_out / v_out (T, Hkv, D) bf16 or None (then kv is needed); inputs see `_row_src`
     (v_in None: k=v layer, V = v_norm(raw k)); q_norm_w / k_norm_w (D,) bf16; inv_freq (D/2,) float32
     (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
-    into the paged pools (the fused kv_write_gpu). Kernel qk_norm_rope_bf16, grid (T, ny), block 256: a warp per
-    head, ny CTAs a row (1 for long prompts)."""
+    into the paged pools (the fused kv_write_gpu). Two kernels, the same bytes (attention.cu): T <= QK_HEAD_MAX_T
+    (or D > 512) qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2; else qk_norm_rope_rows_bf16, grid (T, ny),
+    block 256, a warp a head, ny CTAs a row (1 for long prompts)."""
     T, Hq, D = q_out.shape
     Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
-    if D % 64 or not 64 <= D <= 512:                    # a lane: D/64 pairs; the row's cos / sin in 2 KiB
-        raise ValueError(f"head_dim {D}: a multiple of 64 up to 512")
+    if D % 64 or not 64 <= D <= 2048:                   # block D/2 threads: whole warps (D = 64: one warp)
+        raise ValueError(f"head_dim {D}: a multiple of 64 up to 2048")
     if k_out is None and kv is None:
         raise ValueError("k_out / v_out None needs kv (the pools to write)")
     _need(q_out, (T, Hq, D), "bf16", "q_out")
@@ -157,10 +164,13 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     vp, vs = _row_src(g, k_in if v_in is None else v_in, T, Hkv, D, "v_in")
     if T == 0:
         return
-    f = g.module("attention").function("qk_norm_rope_bf16")
-    heads = Hq + 2 * Hkv                                # ny CTAs a row: about 2 CTAs an SM in all, <= a warp a head
-    ny = max(1, min(-(-heads // 8), -(-2 * g.sm_count // T)))
-    g.launch(f, grid=(T, ny, 1), block=(256, 1, 1),
+    heads = Hq + 2 * Hkv
+    if T <= QK_HEAD_MAX_T or D > 512:
+        f, grid, block = g.module("attention").function("qk_norm_rope_bf16"), (T, heads, 1), (D // 2, 1, 1)
+    else:                                               # ny CTAs a row: about 2 CTAs an SM in all, <= a warp a head
+        ny = max(1, min(-(-heads // 8), -(-2 * g.sm_count // T)))
+        f, grid, block = g.module("attention").function("qk_norm_rope_rows_bf16"), (T, ny, 1), (256, 1, 1)
+    g.launch(f, grid=grid, block=block,
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
                    q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
 
