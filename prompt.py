@@ -142,6 +142,7 @@ class Prompter:
         self.channel_close = self._ids["<channel|>"]
         self.eos_ids = (self._ids["<eos>"], self._ids["<turn|>"])
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._shared_memo = None                 # (key, tokens, spans) of stem's last shared part
 
     def id(self, name: str) -> int:
         if (i := self.tok.token_to_id(name)) is None:
@@ -172,14 +173,21 @@ class Prompter:
             raise PromptError(f"{len(choices)} choices; between 1 and {len(self.keys)} fit the keys")
         options = "".join(f"\n{k}. {c}" for k, c in zip(LETTERS, choices))
         i = self._ids
-        shared = [[i["<bos>"], i["<|turn>"]], "system\n", [i["<|think|>"]], system, [i["<turn|>"]], "\n",
-                  [i["<|turn>"]], "user\n", *map(self._image, request_images), context]
+        runs = [self._image(n) for n in request_images]
+        key = (system, context, tuple(len(r) for r in runs))
+        memo = self._shared_memo                 # the last shared part: a request's questions share it
+        if memo is not None and memo[0] == key:
+            tokens, spans = list(memo[1]), list(memo[2])
+        else:
+            shared = [[i["<bos>"], i["<|turn>"]], "system\n", [i["<|think|>"]], system, [i["<turn|>"]], "\n",
+                      [i["<|turn>"]], "user\n", *runs, context]
+            tokens, spans = [], []
+            self._emit(shared, tokens, spans)
+            self._shared_memo = (key, tuple(tokens), tuple(spans))
+        shared_len = len(tokens)
         question = ["\n\n", *map(self._image, question_images),
                     f"{question_text}\n\nOptions:{options}\n\n{INSTRUCTION}", [i["<turn|>"]], "\n",
                     [i["<|turn>"]], "model\n", [i["<|channel>"]], "thought\n"]
-        tokens, spans = [], []
-        self._emit(shared, tokens, spans)
-        shared_len = len(tokens)
         self._emit(question, tokens, spans)
         return Stem(tuple(tokens), shared_len, tuple(spans), self.keys[:len(choices)])
 
