@@ -238,13 +238,14 @@ def time_steps(m, batch, context, steps, rng):
 def decide(m, ckpt_dir, stem_tokens=512, repeats=5):
     """`repeats` questions with ~512-token stems through one engine (no HTTP), serial, one at a time, tau 0.8, cap
     16: the answers exist, and the first readout's time (the trace's readout stage: question start to readout),
-    median and each. Each stem's context differs from its first word on, so no question reuses another's KV."""
+    median and each. The stems are the server readout's (bench_server.readout_stem_request): each context differs
+    from its first word on, so no question reuses another's KV."""
+    from bench_server import readout_stem_request
     from config import EngineConfig, PolicyConfig
     from engine import Engine
     from policy import Question, Request
     from prompt import Prompter
     pr = Prompter(ckpt_dir)
-    words = "the ship left the harbour at noon with grain for the islands and the office logged it".split()
     cfg = EngineConfig(model_dir=ckpt_dir, max_len=2304, max_batch=64, serial=True,
                        policy=PolicyConfig(tau=0.8, cap=16))
     eng = Engine(m, pr, cfg)
@@ -252,12 +253,11 @@ def decide(m, ckpt_dir, stem_tokens=512, repeats=5):
     rows = []
     try:
         for i in range(repeats):
-            context = f"Run {i}: " + " ".join(words[(i + j) % len(words)] for j in range(stem_tokens))
-            while len(pr.stem("", context, [], "Which ship?", ["a", "b", "c", "d"], []).tokens) > stem_tokens:
-                context = context[: int(len(context) * 0.95)]
+            body = readout_stem_request(pr, stem_tokens, i)
+            q = body["questions"][0]
             t0 = time.perf_counter()
-            res = eng.submit(Request(id=f"bench-{i}", context=context, policy=cfg.policy, questions=[
-                Question(id="q", text="Which ship?", choices=["a", "b", "c", "d"])])).result(timeout=300)
+            res = eng.submit(Request(id=f"bench-{i}", context=body["context"], policy=cfg.policy, questions=[
+                Question(id="q", text=q["text"], choices=q["choices"])])).result(timeout=300)
             rows.append((res, time.perf_counter() - t0))
     finally:
         eng.stop(drain_timeout=5)
