@@ -5739,6 +5739,30 @@ def test_gpu_moe2_small(g, T, shape):
 
 
 @needs_gpu
+def test_gpu_moe2_wgmma_tile_widths(g):
+    """The wgmma kernels issue MMAs as wide as the tile's tokens (gate/up: rounded up to 8; down: to 16, 40 or 64;
+    moe_sm90a.cu with_tokens): expert groups of 1 .. 65 tokens (tiles of every width 1 .. 64, both tile sizes) give the
+    grouped path's bytes, and the float64 reference's values."""
+    sizes = [1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 39, 40, 41, 47, 48, 49, 56, 57, 63, 64, 65]
+    E, k, H, I = len(sizes), 1, 128, 64
+    ck = make_experts(E, H, I, seed=23, modelopt_odd=True)
+    ex = moe.upload_experts(g, ck, PREFIX, E, H, I)
+    if not wg_nts(g, ex):
+        pytest.skip("the wgmma path runs on sm_90 only")
+    rng = np.random.default_rng(29)
+    idx = rng.permutation(np.repeat(np.arange(E), sizes)).astype(np.int32)[:, None]
+    T = idx.shape[0]
+    x = bf(rng.normal(0, 1, (T, H)))
+    w = rng.uniform(0.02, 0.6, (T, k)).astype(np.float32)
+    res = {"grouped": run2(g, ex, x, w, idx, path="grouped")}
+    for nt in wg_nts(g, ex):
+        res[f"wgmma_{8 * nt}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+    assert_same(res, f"tile widths T={T}")
+    compare("moe2 tile widths vs f64 (u, o rounded)", res["grouped"],
+            ref_experts(x.astype(np.float64), w, idx, Deq(ck), True))
+
+
+@needs_gpu
 def test_gpu_moe2_invalid_experts(g):
     """idx outside [0, E) is skipped by every path (the combine, the grouping and the direct kernels)."""
     E, k, H, I = SMALL["E"], SMALL["k"], SMALL["H"], SMALL["I"]

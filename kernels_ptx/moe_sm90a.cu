@@ -19,9 +19,9 @@
 //
 // CTA: 2 warpgroups (256 threads), one tile (expert e, grouped positions q0 .. q0 + nq - 1, nq <= NTOK) of
 // moe_group_tiles with TS = NTOK. Warp w of a warpgroup owns 16 weight rows (its A rows g and g + 8); the
-// warpgroup's 64 rows are wgmma's M, the tile's tokens its N. A cp.async pipeline of ST super units brings each
-// stage's activation rows (128-byte swizzle, see b_desc) and the warps' NVFP4 bytes; the A fragments are decoded
-// from shared memory.
+// warpgroup's 64 rows are wgmma's M, the tile's tokens (rounded up, with_tokens) its N. A cp.async pipeline of ST
+// super units brings each stage's activation rows (128-byte swizzle, see b_desc) and the warps' NVFP4 bytes; the A
+// fragments are decoded from shared memory.
 // What the speed came from (H200, same call each, T = 2048 gate_up + down): the first version (no swizzle, weights
 // loaded straight into registers, 1 CTA per SM) 955 + 785 us, slower than mma.sync (718 + 541); weights through
 // shared memory (a register load in flight makes wgmma.fence wait for it) 915 + 752; 128-byte swizzle for the
@@ -31,6 +31,9 @@
 // not per-piece 64-bit pointers that ptxas rebuilt from the parameters every unit under the 128-register cap (the
 // unit loop 446 -> 331 SASS instructions) 453 + 346; no global load in the epilogues, gate and up rows of an
 // output in one warp, 2 down blocks a CTA: 426 + 284; the step descriptors by one add each (b_desc_step): 423 + 282.
+// Thirteenth session: MMAs as wide as the tile's tokens, not NTOK (a 508-token prompt's tiles hold ~32 of 64), and
+// no copies of the activation rows they skip: T = 508 182.2 + 112.0 -> 151.8 + 98.6, T = 2048 430.8 + 290.8 ->
+// 400.6 + 284.8 (one call; launches vary by ~ +-7 us).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -83,7 +86,8 @@ template <int NTOK> __device__ __forceinline__ uint64_t b_desc_step(uint32_t lo0
 // parameters every unit under the 128-register cap, had been ~200 of the unit loop's ~450 instructions).
 //   X: piece j (0 .. NTOK/16 - 1) = chunk c = lane & 7 of row u = tid / 8 + 32 j (see b_desc): 8 lanes copy 128
 //      contiguous bytes of a token into one 128-byte row. xo[j] = byte offset of the piece in X's permuted row
-//      (unit 0); bit j of xok: a real token (else zero fill, from offset 0).
+//      (unit 0); bit j of xok: a real token (else zero fill, from offset 0); bit j of xon: a token the MMAs read
+//      (< N; the other pieces are not copied at all).
 //   W: the lane's own NVFP4 words, as WRing loads them: rows g and g + 8 (h) of its warp's 16, columns 128 su + 32 q
 //      .. + 31 (16 bytes; zeros past K) at WG_W + 16 (64 warp + 32 h + lane); the lanes with even q also copy the 4
 //      scale bytes of columns 128 su + 64 (q >> 1) .. + 63 (theirs and lane q + 1's): row (warp, h, g)'s 8 scale
@@ -94,7 +98,7 @@ template <int NTOK> __device__ __forceinline__ uint64_t b_desc_step(uint32_t lo0
 template <int NTOK>
 struct WgLoad {
     uint32_t xo[NTOK / 16];
-    uint32_t xok;
+    uint32_t xok, xon;
     uint32_t xdst;                      // X piece 0's byte offset in a stage (piece j: + 4096 j)
     uint32_t wdst, sdst;                // row g's W / scale piece in a stage (row g + 8: + 512 / + 64)
     int K;
@@ -116,18 +120,19 @@ __device__ __forceinline__ uint8_t *wg_stages(uint8_t *smem) {
 }
 
 // rowoff: the tile's X rows (element offsets, -1 = no token).
-template <int NTOK>
+template <int NTOK, int N>
 __device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, int K) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, q = lane & 3, g = lane >> 2;
     WgLoad<NTOK> L;
     const int c = lane & 7, u0 = threadIdx.x >> 3;
-    L.xok = 0;
+    L.xok = L.xon = 0;
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
         const int u = u0 + 32 * j, t = u % NTOK, h = u / NTOK;
         const int ro = rowoff[t];
         L.xo[j] = ro >= 0 ? 2u * (uint32_t)(ro + 64 * h + 8 * c) : 0u;
         L.xok |= (ro >= 0 ? 1u : 0u) << j;
+        L.xon |= (t < N ? 1u : 0u) << j;
     }
     L.xdst = 128 * u0 + 16 * (c ^ (u0 & 7));
     L.wdst = WG_W(NTOK) + 16 * (64 * warp + lane);
@@ -158,7 +163,7 @@ __device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
         const bool ok = (L.xok >> j) & 1u;
-        cp_async16s(st + L.xdst + 4096 * j, X + (L.xo[j] + xu), ok);
+        if ((L.xon >> j) & 1u) cp_async16s(st + L.xdst + 4096 * j, X + (L.xo[j] + xu), ok);
     }
     const int q = threadIdx.x & 3;
     const bool wok = 128 * su + 32 * q < L.K, sok = 128 * su + 64 * (q >> 1) < L.K;
@@ -194,7 +199,7 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 }
 
 // For each of nb blocks of weight rows (rows(b, R) sets the lane's two rows of block b, WgRows), in order: tot
-// (registers: the warpgroup's 64 rows x NTOK tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8 for
+// (registers: the warpgroup's 64 rows x N tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8 for
 // i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order, of
 // the block's rows against the tile's rows of X (rowoff); then epi(b, tot). ST stages run through the blocks' units
 // as one sequence, so a block's first stages load while the one before finishes (no pipeline fill a block). Per
@@ -203,14 +208,16 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 // decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block
 // runs with no cp.async group or wgmma pending and the stages free (barrier before it); the others run between
 // units, with stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop).
-template <int NTOK, int ST, bool MULTI, class Rows, class Epi>
+// N (<= NTOK, a multiple of 8): the tokens the MMAs compute, the tile's nq rounded up to 8 (with_tokens picks it);
+// the stages keep NTOK token rows, of which the MMAs read the first N.
+template <int NTOK, int N, int ST, bool MULTI, class Rows, class Epi>
 __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, int K, int nb,
                                             Rows rows, Epi epi) {
     const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
     const int nsu = (K + 127) >> 7, nv = nb * nsu;
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
     const uint32_t dlo = static_cast<uint32_t>(b_desc<NTOK>(sbase, 0));   // stage 0, step 0
-    const WgLoad<NTOK> L = wg_load_setup<NTOK>(rowoff, K);
+    const WgLoad<NTOK> L = wg_load_setup<NTOK, N>(rowoff, K);
     // the next unit to load: unit ls of block lb (rows R)
     int ls = 0, lb = 0;
     WgRows R;
@@ -227,9 +234,9 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         if (s < nv) load_next(s);
         cp_async_commit_();
     }
-    float part[NTOK / 2], tot[NTOK / 2];
+    float part[N / 2], tot[N / 2];
 #pragma unroll
-    for (int i = 0; i < NTOK / 2; ++i) tot[i] = part[i] = 0.f;
+    for (int i = 0; i < N / 2; ++i) tot[i] = part[i] = 0.f;
     uint32_t a[8][4];
     cp_async_wait_<ST - 2>();                                 // unit 0
     fence_proxy_async();
@@ -241,7 +248,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         fence_acc(part);
 #pragma unroll
         for (int s = 0; s < 8; ++s)
-            wgmma_n<NTOK>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
+            wgmma_n<N>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
         wg_commit();
         if (v + 1 < nv) {
             cp_async_wait_<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
@@ -253,14 +260,14 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         wg_wait<0>();
         fence_acc(part);
 #pragma unroll
-        for (int i = 0; i < NTOK / 2; ++i) {
+        for (int i = 0; i < N / 2; ++i) {
             tot[i] = __fadd_rn(tot[i], part[i]);
             part[i] = 0.f;
         }
         if (MULTI && ++su == nsu && v + 1 < nv) {             // block b done, another follows
             epi(b, tot);
 #pragma unroll
-            for (int i = 0; i < NTOK / 2; ++i) tot[i] = 0.f;
+            for (int i = 0; i < N / 2; ++i) tot[i] = 0.f;
             su = 0;
             ++b;
         }
@@ -269,6 +276,23 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
     cp_async_wait_<0>();
     __syncthreads();                                          // the stages may be reused
     epi(b, tot);
+}
+
+// f(TileN<N>()) for the smallest N = N0 - STEP j >= nq (1 .. N0; STEP a multiple of 8), a CTA-uniform branch: a
+// tile of fewer tokens than NTOK issues narrower MMAs (each output's k16 steps and sums are the same for every N: the
+// bits do not change) and copies only the activation rows they read. Dispatched at the top of the kernel, so each
+// N's body is compiled on its own. The gate/up kernels take STEP 8; the down kernels STEP 24 (N = 64, 40, 16): with
+// STEP 8 or 16 ptxas spilled 24-48 bytes in down_wg64's N = 64 loop, which sits at the 128-register cap (T = 2048:
+// 290.8 -> 315.0 us against the kernel before; STEP 24 284.8 us. H200, dev A/B, BENCHMARKS.md thirteenth session).
+template <int N> struct TileN { static constexpr int value = N; };
+template <int N0, int STEP, class F> __device__ __forceinline__ void with_tokens(int nq, F f) {
+    if constexpr (N0 > STEP) {
+        if (nq <= N0 - STEP) {
+            with_tokens<N0 - STEP, STEP>(nq, f);
+            return;
+        }
+    }
+    f(TileN<N0>());
 }
 
 // The lane's byte offsets of weight row r (of K columns): packed at column 32 q, scales at column 64 (q >> 1).
@@ -285,18 +309,16 @@ __device__ __forceinline__ void wg_row(uint32_t r, int K, uint32_t &wo, uint32_t
 // token perm[q] / k. up[q, pos] = bf16(gate_up_out(gate . x, up . x)) for the tile's grouped positions q, in the
 // permuted order (row stride Ip = 128 ceil(I / 128)); the last CTA of a tile also writes the zeros of the columns I
 // .. Ip - 1. Dynamic smem WG_SMEM(NTOK, ST). Requires I % 64 == 0 (the launcher checks).
-template <int NTOK, int ST>
+template <int NTOK, int N, int ST>
 __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, const int *__restrict__ perm,
-                                                const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
-                                                const uint8_t *__restrict__ gw, const uint8_t *__restrict__ gs,
+                                                const int4 tl, const uint8_t *__restrict__ gw,
+                                                const uint8_t *__restrict__ gs,
                                                 const uint8_t *__restrict__ uw, const uint8_t *__restrict__ us,
                                                 const float *__restrict__ gsc, bf16 *__restrict__ up, int H, int I,
                                                 int k) {
     extern __shared__ __align__(128) uint8_t smem_wg[];
     uint8_t *stages = wg_stages(smem_wg);
     int *rowoff = reinterpret_cast<int *>(stages + ST * WG_STAGE(NTOK));
-    if ((int)blockIdx.y >= n_tiles[0]) return;                // uniform
-    const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int Hp = (H + 127) & ~127, Ip = (I + 127) & ~127;
@@ -310,19 +332,21 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
         wg_row((uint32_t)(e * I + n), H, R.wo[0], R.so[0]);
         R.wo[1] = R.wo[0]; R.so[1] = R.so[0];
     };
-    auto epi = [&](int, float (&tot)[NTOK / 2]) {
+    auto epi = [&](int, auto &tot) {                          // tot: float[N / 2], N = the MMAs' tokens
+        constexpr int N8 = sizeof(tot) / (4 * sizeof(float));
+        const int lim = nq - 2 * q;                           // token 8j + 2q + c is real iff 8j + c < lim
         bf16 *col = up + (size_t)q0 * Ip + (n & ~127) + perm_pos(n & 127);
 #pragma unroll
-        for (int j = 0; j < NTOK / 8; ++j)
+        for (int j = 0; j < N8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int tok = 8 * j + 2 * q + c;
-                if (tok < nq)
+                if (8 * j + c < lim)
                     col[(size_t)tok * Ip] =
                         __float2bfloat16_rn(gate_up_out(tot[4 * j + c], tot[4 * j + 2 + c], g6, g6 + 2));
             }
     };
-    wg_mainloop<NTOK, ST, false>(stages, xp, rowoff, H, 1, rows, epi);
+    wg_mainloop<NTOK, N, ST, false>(stages, xp, rowoff, H, 1, rows, epi);
     if (blockIdx.x == gridDim.x - 1)                          // the padding columns I .. Ip - 1 read as zeros
         for (int i = threadIdx.x; i < nq * (Ip - I); i += blockDim.x) {
             const int tok = i / (Ip - I), r = I + i % (Ip - I);
@@ -337,10 +361,10 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
 // p = perm[q], in PAIR order (moe.cu's down_grouped_body); moe_combine_bf16 sums the slots. The tile's p and w[p]
 // are staged in shared memory beside the row offsets (with the global scales), so the stores wait on no global
 // load: at T = 2048 this took the launch from 348 to 293 us (BENCHMARKS.md, tenth session).
-template <int NTOK, int ST>
+template <int NTOK, int N, int ST>
 __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const int *__restrict__ perm,
-                                             const int4 *__restrict__ tiles, const int *__restrict__ n_tiles,
-                                             const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,
+                                             const int4 tl, const uint8_t *__restrict__ dw,
+                                             const uint8_t *__restrict__ ds,
                                              const float *__restrict__ gsc, const float *__restrict__ weights,
                                              bf16 *__restrict__ o, int H, int I, int nbk) {
     extern __shared__ __align__(128) uint8_t smem_wg[];
@@ -348,8 +372,6 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     int *rowoff = reinterpret_cast<int *>(stages + ST * WG_STAGE(NTOK));
     int *pos = rowoff + NTOK;
     float *wt = reinterpret_cast<float *>(pos + NTOK), *g6 = wg_gsc<NTOK>(rowoff);
-    if ((int)blockIdx.y >= n_tiles[0]) return;
-    const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int c0 = blockIdx.x * nbk, nb = min(nbk, (H + 127) / 128 - c0);
@@ -364,15 +386,17 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     __syncthreads();
     const float *gd = g6 + 4;
     auto first = [&](int b) { return (c0 + b) * 128 + 16 * warp; };      // the warp's first row in block b
-    auto epi = [&](int b, float (&tot)[NTOK / 2]) {
+    auto epi = [&](int b, auto &tot) {                        // tot: float[N / 2], N = the MMAs' tokens
+        constexpr int N8 = sizeof(tot) / (4 * sizeof(float));
+        const int lim = nq - 2 * q;                           // token 8n + 2q + c is real iff 8n + c < lim
         const int n0 = first(b);
         if (n0 >= H) return;
 #pragma unroll
-        for (int n = 0; n < NTOK / 8; ++n)
+        for (int n = 0; n < N8; ++n)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int tok = 8 * n + 2 * q + c;
-                if (tok < nq) {
+                if (8 * n + c < lim) {
                     const float w = wt[tok];
                     bf16 *orow = o + (size_t)pos[tok] * H + n0 + g;
                     orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
@@ -386,7 +410,7 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         R.wo[1] = R.wo[0] + 8u * (uint32_t)(I >> 1);          // row g + 8
         R.so[1] = R.so[0] + 8u * (uint32_t)(I >> 4);
     };
-    wg_mainloop<NTOK, ST, true>(stages, up, rowoff, I, nb, rows, epi);
+    wg_mainloop<NTOK, N, ST, true>(stages, up, rowoff, I, nb, rows, epi);
 }
 
 // Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); moe.cu's grouped signatures, with xp /
@@ -399,7 +423,11 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         const uint8_t *__restrict__ uw, const uint8_t *__restrict__ us, const float *__restrict__ gsc,            \
         bf16 *__restrict__ up, int H, int I, int k) {                                                            \
         pdl_entry();                                                                                              \
-        gate_up_wg_body<NTOK, ST>(xp, perm, tiles, n_tiles, gw, gs, uw, us, gsc, up, H, I, k);                   \
+        if ((int)blockIdx.y >= n_tiles[0]) return;                                                                \
+        const int4 tl = tiles[blockIdx.y];                                                                        \
+        with_tokens<NTOK, 8>(tl.z, [&](auto n) {                                                                  \
+            gate_up_wg_body<NTOK, decltype(n)::value, ST>(xp, perm, tl, gw, gs, uw, us, gsc, up, H, I, k);        \
+        });                                                                                                       \
     }
 #define DN_WG(NAME, NTOK, ST)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
@@ -408,7 +436,11 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         const float *__restrict__ gsc, const float *__restrict__ weights, bf16 *__restrict__ o, int H, int I,     \
         int nbk) {                                                                                                \
         pdl_entry();                                                                                              \
-        down_wg_body<NTOK, ST>(up, perm, tiles, n_tiles, dw, ds, gsc, weights, o, H, I, nbk);                     \
+        if ((int)blockIdx.y >= n_tiles[0]) return;                                                                \
+        const int4 tl = tiles[blockIdx.y];                                                                        \
+        with_tokens<NTOK, 24>(tl.z, [&](auto n) {                                                                 \
+            down_wg_body<NTOK, decltype(n)::value, ST>(up, perm, tl, dw, ds, gsc, weights, o, H, I, nbk);         \
+        });                                                                                                       \
     }
 GU_WG(moe_gate_up_wg32, 32, 5)
 GU_WG(moe_gate_up_wg64, 64, 4)
