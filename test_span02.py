@@ -5928,8 +5928,8 @@ def test_moe_path_choice():
         return [name for name, _ in launches], g.launches
 
     assert plan(1)[0] == ["gate_up_direct", "down_combine_direct"]
-    assert plan(moe.WG_MIN_T - 1)[0][1] == "gate_up_mma_n1"                 # mean group 7.9 tokens
-    for T, ntok in ((128, 32), (384, 32), (512, 64), (2048, 64)):   # mean group P / E = 8, 24, 32, 128 tokens
+    assert plan(moe.WG_MIN_T - 1)[0][1] == "gate_up_mma_n1"                 # T = 7: still the grouped path
+    for T, ntok in ((8, 32), (64, 32), (128, 32), (384, 32), (512, 64), (2048, 64)):   # mean group 1 .. 128 tokens
         names, launches = plan(T)
         assert names == ["group_tiles", "permute_x", f"gate_up_wg{ntok}", f"down_wg{ntok}", "combine"], names
         P, maxt = T * k, moe._max_tiles(E, T * k, ntok)

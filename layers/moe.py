@@ -394,11 +394,11 @@ def _combine(g, o, idx, out, T, H, k, E):
 #   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
 #   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
 #   warpgroup MMAs (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to
-#   8*nt tokens. Expert time
-#   per layer against the grouped path on the H200 (us, random routing over 128 experts; test_gpu_moe2_timing,
-#   BENCHMARKS.md, tenth session): T = 256: 233 / 321, 512: 325 / 429, 2048: 812 / 1,318; at T = 64 the grouped
-#   path is faster (197 / 215), hence WG_MIN_T.
-WG_MIN_T = 128
+#   8*nt tokens. Expert time per layer against the grouped path on the H200 (us, random routing over 128 experts;
+#   BENCHMARKS.md): tenth session T = 256: 233 / 321, 512: 325 / 429, 2048: 812 / 1,318; since the MMAs are as wide
+#   as a tile's tokens (thirteenth session, every launch of a call) T = 8: 101.4 / 112.6, 16: 129.6 / 131.7, 64:
+#   186.7 / 190.6, 96: 192.8 / 214.0, hence WG_MIN_T = 8 (5 .. 7 not measured: grouped).
+WG_MIN_T = 8
 _WG_NT = (4, 8)
 # kernel -> (tokens per tile, stages): moe_sm90a.cu's GU_WG / DN_WG table; tile width 8*nt runs f"wg{8*nt}"
 _WG_KERNELS = {"wg32": (32, 5), "wg64": (64, 4)}
