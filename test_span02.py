@@ -3819,7 +3819,7 @@ def test_gpu_kv_write(g, geo):
 
 def _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v):
     """The device pools hold exactly the scene's pools with rows k, v (T, Hkv, D) scattered in by the numpy
-    reference (layers.attention.scatter) at (rows_seq, rows_pos)."""
+    reference (layers.attention.scatter) at (rows_seq, rows_pos); returns those expected pools."""
     ek, ev = sc.k.copy(), sc.v.copy()
     for s in range(len(sc.tables)):
         m = rows_seq == s
@@ -3827,35 +3827,43 @@ def _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v):
         A.scatter(ev, sc.tables[s], rows_pos[m].astype(np.int64), v[m])
     assert (bits(g.download(sc.dk)) == bits(ek)).all()
     assert (bits(g.download(sc.dv)) == bits(ev)).all()
+    return ek, ev
 
 
 @needs_gpu
 @pytest.mark.parametrize("geo", GEOS)
 def test_gpu_qkv_prep_fused_kv_write(g, geo):
-    """qkv_prep_gpu(kv=pools) stores into the pools exactly the k / v rows the dense outputs hold."""
+    """qkv_prep_gpu(kv=pools) stores into the pools exactly the k / v rows the dense outputs hold, for 37 rows (the
+    per-(row, head) kernel) and 301 rows (the row kernel, T > QK_HEAD_MAX_T) of three / two sequences."""
     D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
     k_eq_v = not GEO[geo]["sliding"]
     rng = np.random.default_rng(11)
     sc = Scene(g, rng, [300, 41, 1], Hkv, D)
-    rows_seq = np.array([0] * 29 + [1] * 7 + [2], np.int32)
-    rows_pos = np.concatenate([np.arange(250, 279), np.arange(34, 41), [0]]).astype(np.int32)
-    T = 37
     inv = g.upload(A.rope_inv_freq(Rope("default", 1e4, 1.0), D))
     wq, wk = g.upload(bf(rng.uniform(0.3, 1.7, D))), g.upload(bf(rng.uniform(0.3, 1.7, D)))
-    qi = g.upload(bf(rng.standard_normal((T, HQ, D), np.float32)))
-    ki = g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
-    vi = None if k_eq_v else g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
-    rs, rp = g.upload(rows_seq), g.upload(rows_pos)
-    qo, ko, vo = g.empty((T, HQ, D), BF), g.empty((T, Hkv, D), BF), g.empty((T, Hkv, D), BF)
-    A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, ko, vo)
-    k, v, q_dense = g.download(ko), g.download(vo), g.download(qo)
-    g.fill(qo, 0xFF)
-    A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(sc.dk, sc.dv, rs, sc.dt))
-    assert (bits(g.download(qo)) == bits(q_dense)).all()
-    _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v)
-    for a in (inv, wq, wk, qi, ki, vi, rs, rp, qo, ko, vo):
-        if a is not None:
-            g.free(a)
+    cases = ((np.array([0] * 29 + [1] * 7 + [2], np.int32),                  # positions unique per sequence
+              np.concatenate([np.arange(250, 279), np.arange(34, 41), [0]]).astype(np.int32)),
+             (np.array([0] * 260 + [1] * 41, np.int32),
+              np.concatenate([np.arange(40, 300), np.arange(0, 41)]).astype(np.int32)))
+    assert len(cases[0][0]) <= A.QK_HEAD_MAX_T < len(cases[1][0])
+    for rows_seq, rows_pos in cases:
+        T = len(rows_seq)
+        qi = g.upload(bf(rng.standard_normal((T, HQ, D), np.float32)))
+        ki = g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
+        vi = None if k_eq_v else g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
+        rs, rp = g.upload(rows_seq), g.upload(rows_pos)
+        qo, ko, vo = g.empty((T, HQ, D), BF), g.empty((T, Hkv, D), BF), g.empty((T, Hkv, D), BF)
+        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, ko, vo)
+        k, v, q_dense = g.download(ko), g.download(vo), g.download(qo)
+        g.fill(qo, 0xFF)
+        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(sc.dk, sc.dv, rs, sc.dt))
+        assert (bits(g.download(qo)) == bits(q_dense)).all(), f"T={T}"
+        sc.k, sc.v = _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v)    # the next case starts from these
+        for a in (qi, ki, vi, rs, rp, qo, ko, vo):
+            if a is not None:
+                g.free(a)
+    for a in (inv, wq, wk):
+        g.free(a)
     sc.close()
 
 
