@@ -69,6 +69,9 @@ __device__ __forceinline__ float warp_sum(float v) {
         __nv_bfloat16 *__restrict__ k_out, __nv_bfloat16 *__restrict__ v_out, __nv_bfloat16 *__restrict__ k_pool, \
         __nv_bfloat16 *__restrict__ v_pool, const int *__restrict__ rows_seq, const int *__restrict__ block_tables, \
         int max_blocks
+#define QK_PASS /* QK_PARAMS' names, passed on (qk_head) */                                                 \
+    q_in, q_stride, k_in, k_stride, v_in, v_stride, q_w, k_w, inv_freq, positions, Hq, Hkv, D, eps, q_out, k_out, \
+        v_out, k_pool, v_pool, rows_seq, block_tables, max_blocks
 
 struct QkHead {
     const __nv_bfloat16* src;
@@ -123,9 +126,7 @@ extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
     __shared__ float red[32];
     const int t = blockIdx.x, i = threadIdx.x, half = D >> 1, p = positions[t];
     const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
-    const QkHead hd = qk_head(t, blockIdx.y, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, q_w, k_w, inv_freq,
-                              positions, Hq, Hkv, D, eps, q_out, k_out, v_out, k_pool, v_pool, rows_seq, block_tables,
-                              max_blocks);
+    const QkHead hd = qk_head(t, blockIdx.y, slot, QK_PASS);
     const float xa = __bfloat162float(hd.src[i]), xb = __bfloat162float(hd.src[i + half]);
     const float ss = warp_sum(__fmaf_rn(xb, xb, __fmul_rn(xa, xa)));
     if ((i & 31) == 0) red[i >> 5] = ss;
@@ -170,10 +171,7 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf
             }
         }
     };
-    auto head = [&](int h) {
-        return qk_head(t, h, slot, q_in, q_stride, k_in, k_stride, v_in, v_stride, q_w, k_w, inv_freq, positions, Hq,
-                       Hkv, D, eps, q_out, k_out, v_out, k_pool, v_pool, rows_seq, block_tables, max_blocks);
-    };
+    auto head = [&](int h) { return qk_head(t, h, slot, QK_PASS); };
     QkHead hd = head(hy < H ? hy : 0);
     if (hy < H) load(hd);                            // the first head's loads fly while cos / sin are computed
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
