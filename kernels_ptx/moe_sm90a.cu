@@ -208,8 +208,8 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 // decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block
 // runs with no cp.async group or wgmma pending and the stages free (barrier before it); the others run between
 // units, with stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop).
-// N (<= NTOK, a multiple of 8): the tokens the MMAs compute, the tile's nq rounded up to 8 (with_tokens picks it);
-// the stages keep NTOK token rows, of which the MMAs read the first N.
+// N (<= NTOK, a multiple of 8): the tokens the MMAs compute, the tile's nq rounded up to one of the widths
+// with_tokens offers the kernel; the stages keep NTOK token rows, of which the MMAs read the first N.
 template <int NTOK, int N, int ST, bool MULTI, class Rows, class Epi>
 __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const int *rowoff, int K, int nb,
                                             Rows rows, Epi epi) {
