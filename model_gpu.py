@@ -17,6 +17,12 @@ one HtoD upload of its inputs, one graph launch and one DtoH download (the only 
 nothing. Pad rows are dummy sequences at position 0 of a reserved scratch KV block (the pool's last block,
 hidden from `num_blocks`); every kernel computes a row from that row's inputs alone, so they cannot touch the
 real rows, and the replay gives the eager step's bytes. The vision tower still runs on the CPU (numpy).
+
+The last layer of an eager step runs only the rows the head reads (`prune_last`): every row's K/V is written (the
+next steps attend to it), then the rows whose last-layer output nothing reads are dropped before attention. A
+readout or argmax sequence keeps its last row, a `logits` one all its rows, any other (a prompt chunk the head
+does not read) none. The kept rows go through the same kernels with the same inputs, so their bytes are those of
+the whole step; a 2,048-token prompt skips ~1/30 of its step.
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ class GpuModel(StepTools):
                  graphs=True):
         t = cfg.text
         self.cfg, self.name, self.device = cfg, name, "gpu"
+        self.prune_last, self.pruned_steps = True, 0    # the last layer on the head's rows only (module docstring)
         self.g = g = gpu.GPU()
         self.max_rows, self.max_seqs = max_rows, max_seqs
         self.max_blocks = math.ceil(max_len / BLOCK)
@@ -105,7 +112,8 @@ class GpuModel(StepTools):
                        tables=g.empty((S * self.max_blocks,), np.int32), spans=g.empty((S * 64 * 2,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((ATTN_WORK // 4,), np.float32),
-                       sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16), zn=g.empty((S, H), BF16),
+                       sel=g.empty((S,), np.int32), keep=g.empty((3 * S,), np.int32), z=g.empty((S, H), BF16),
+                       zn=g.empty((S, H), BF16),
                        logits=g.empty((S, t.vocab), np.float32), am=g.empty((S,), np.int32),
                        lse=g.empty((S,), np.float32), keys=g.empty((MAX_KEYS_OUT,), np.int32),
                        keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
@@ -156,10 +164,27 @@ class GpuModel(StepTools):
                 r = int(o + im.start - s.start)
                 g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
                          out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
+        keep = self._keep_rows(seqs, offsets, lens)
         self._first_norm(T)
+        last = len(self.layers) - 1
         for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
-            self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
-        return self._head(seqs, offsets, lens)
+            self._layer(i, w, geo, T, pos, rows_seq, tab, sp, keep=keep if i == last else None)
+        return self._head(seqs, offsets, lens, pruned=keep is not None)
+
+    def _keep_rows(self, seqs, offsets, lens):
+        """The rows the last layer keeps (prune_last): the last row of each readout / argmax sequence, in sequence
+        order, uploaded as row | pos | rows_seq (3, R) int32; None when every row is kept (a `logits` sequence,
+        or no row to drop)."""
+        if not self.prune_last or any(s.logits for s in seqs):
+            return None
+        rows = [(int(offsets[j] + lens[j] - 1), s.start + lens[j] - 1, j)
+                for j, s in enumerate(seqs) if s.readout or s.argmax]
+        if len(rows) == int(offsets[-1]):
+            return None
+        self.pruned_steps += 1
+        R = len(rows)
+        return self.g.upload(np.asarray(rows, np.int32).reshape(R, 3).T.copy(),
+                             out=self.g.view(self.ws["keep"], 0, (3, R), np.int32))
 
     def _first_norm(self, T):
         """xn = layer 0's input_layernorm(x); every later layer's comes fused at the end of the one before."""
@@ -167,10 +192,12 @@ class GpuModel(StepTools):
         rmsnorm_gpu(self.g, self._v("x", T, t.hidden), self.layers[0]["input_layernorm"], self._v("xn", T, t.hidden),
                     t.eps)
 
-    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None):
+    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None):
+        """One decoder layer over the step's T rows. keep (3, R) int32 (row | pos | rows_seq, _keep_rows): after
+        every row's K/V is written, only those R rows go on (moved to rows 0 .. R-1)."""
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
-        x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)   # xn = input_layernorm(x) here
+        xn = self._v("xn", T, H)                                 # xn = input_layernorm(x) here
         q_in, k_in = self._v("q_in", T, Hq * D), self._v("k_in", T, Hkv * D)
         v_in = None if geo.k_eq_v else self._v("v_in", T, Hkv * D)
         projs = ["q_proj", "k_proj"] + ([] if v_in is None else ["v_proj"])
@@ -178,6 +205,12 @@ class GpuModel(StepTools):
         q = self._v("q", T, Hq, D)
         qkv_prep_gpu(g, q_in, k_in, v_in, w["self_attn.q_norm"], w["self_attn.k_norm"], w["inv_freq"], pos, eps,
                      q, None, None, kv=(self.k_pool[i], self.v_pool[i], rows_seq, tab))
+        if keep is not None:
+            T, pos, rows_seq = self._move_kept(keep, T, Hq * D)
+            if T == 0:
+                return
+            q = self._v("q", T, Hq, D)
+        x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
         attn = self._v("attn", T, Hq * D)
         attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
                       spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
@@ -205,14 +238,27 @@ class GpuModel(StepTools):
         post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
                            w["post_feedforward_layernorm"], w["layer_scalar"], x, eps, w_next=nxt, xn=xn)
 
-    def _head(self, seqs, offsets, lens):
+    def _move_kept(self, keep, T, width):
+        """Rows keep[0] of q (T, width) and x (T, H) to rows 0 .. R-1 (gathered through q_in and a, free here:
+        the source rows may be destinations); returns R and the kept rows' pos and rows_seq."""
+        g, H = self.g, self.cfg.text.hidden
+        R = keep.shape[1]
+        rows = g.view(keep, 0, (R,), np.int32)
+        for src, tmp, n in (("q", "q_in", width), ("x", "a", H)):
+            if R:
+                embed_gpu(g, self._v(src, T, n), rows, self._v(tmp, R, n), 1.0)     # x * 1.0 is exact
+                g.copy(self._v(src, R, n), self._v(tmp, R, n))
+        return R, g.view(keep, 4 * R, (R,), np.int32), g.view(keep, 8 * R, (R,), np.int32)
+
+    def _head(self, seqs, offsets, lens, pruned=False):
         """Final norm and tied head on the rows that need logits: the last row of a readout / argmax sequence,
-        every row of a `logits` one (those go one sequence at a time through the same buffers)."""
+        every row of a `logits` one (those go one sequence at a time through the same buffers). pruned: the last
+        layer kept only the readout / argmax rows, as rows 0 .. R-1 in sequence order."""
         outs = [SeqOut() for _ in seqs]
         last = [j for j, s in enumerate(seqs) if (s.readout or s.argmax) and not s.logits]
         if last:
-            res = self._head_rows([int(offsets[j] + lens[j] - 1) for j in last],
-                                  sorted({k for j in last for k in seqs[j].readout}))
+            rows = list(range(len(last))) if pruned else [int(offsets[j] + lens[j] - 1) for j in last]
+            res = self._head_rows(rows, sorted({k for j in last for k in seqs[j].readout}))
             for r, j in enumerate(last):
                 outs[j] = self._out(seqs[j], res, r)
         for j, s in enumerate(seqs):
@@ -401,9 +447,10 @@ class GpuModel(StepTools):
         return self._profile(lambda: self._decode_body(B, d), reps)
 
     def profile_prefill(self, T, reps=3):
-        """Per-kernel device times of one sequence's T-token prefill (the layer stack; embedding and head left
-        out), as profile_decode gives them: one eager step first (it uploads the inputs), then the layers captured
-        with an event after every launch. Writes the KV of blocks 0 .. ceil(T / 16) - 1: run it on an idle model."""
+        """Per-kernel device times of one sequence's T-token prefill (the layer stack, the last layer on the last
+        row as an argmax step runs it (prune_last); embedding and head left out), as profile_decode gives them: one
+        eager step first (it uploads the inputs), then the layers captured with an event after every launch. Writes
+        the KV of blocks 0 .. ceil(T / 16) - 1: run it on an idle model."""
         from model import SeqStep
         g = self.g
         g.bind()
@@ -411,14 +458,16 @@ class GpuModel(StepTools):
         if nb > min(self.num_blocks, self.max_blocks) or T > self.max_rows:
             raise ValueError(f"profile_prefill: {T} tokens do not fit the KV pool or the workspace")
         ids = tuple(int(x) for x in np.random.default_rng(0).integers(3, self.cfg.text.vocab, T))
-        self.step([SeqStep(ids, 0, tuple(range(nb)))])
+        seq = SeqStep(ids, 0, tuple(range(nb)), argmax=True)
+        self.step([seq])
         pos, rows_seq = self._v("pos", T, dtype=np.int32), self._v("rows_seq", T, dtype=np.int32)
         tab, sp = g.view(self.ws["tables"], 0, (1, nb), np.int32), g.view(self.ws["spans"], 0, (1, 1, 2), np.int32)
+        keep, last = self._keep_rows([seq], [0, T], [T]), len(self.layers) - 1
 
         def body():
             self._first_norm(T)
             for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
-                self._layer(i, w, geo, T, pos, rows_seq, tab, sp)
+                self._layer(i, w, geo, T, pos, rows_seq, tab, sp, keep=keep if i == last else None)
         return self._profile(body, reps)
 
     def _profile(self, body, reps):

@@ -5,6 +5,7 @@ import asyncio
 import base64
 import concurrent.futures
 import copy
+import dataclasses
 import filecmp
 import gzip
 import hashlib
@@ -71,7 +72,7 @@ from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, so
 from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
 from layers.mlp import gelu_mul_gpu, gelu_tanh
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu, router_input_gpu
-from model import SeqStep
+from model import SeqOut, SeqStep
 from policy import Question, Request, check_cost_table, r9
 from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
 from scheduler import BLOCK, Scheduler, Seq, TooLarge
@@ -4158,6 +4159,40 @@ def test_gpu_demo_bit_identical_across_batches_and_chunks(demo_pair):
     dev.step([SeqStep(ids[:64], 0, tuple(range(4)))])
     hit = dev.step([SeqStep(ids[64:], 64, tuple(range(4)) + tail, logits=True)])[0].logits
     assert np.array_equal(hit, alone[64:])
+
+
+@needs_gpu
+def test_gpu_last_layer_keeps_only_head_rows(demo_pair):
+    """prune_last: the last layer runs only the rows the head reads. A readout / argmax step gives the last row of
+    the whole step's logits: alone, after a chunk whose last layer kept no row, beside a chunk nothing reads, and
+    the same bytes with pruning off."""
+    _, dev = demo_pair
+    V, rng = dev.cfg.text.vocab, np.random.default_rng(17)
+    ids, other = (tuple(int(t) for t in rng.integers(3, V, n)) for n in (77, 30))
+    keys = tuple(int(k) for k in rng.choice(np.arange(3, V), 4, replace=False))
+    table, t2, t3 = tuple(range(5)), (5, 6), (7, 8)
+    full = dev.step([SeqStep(ids, 0, table, logits=True)])[0].logits[-1]
+    full_other = dev.step([SeqStep(other, 0, t3, logits=True)])[0].logits[-1]
+    want = SeqOut(argmax=int(full.argmax()), key_logits=tuple(float(full[k]) for k in keys))
+    n0 = dev.pruned_steps
+
+    def read(step):
+        out = dataclasses.replace(step, logsumexp=None)
+        assert out == want and np.isfinite(step.logsumexp), (out, want)
+        return step
+    alone = read(dev.step([SeqStep(ids, 0, table, readout=keys, argmax=True)])[0])
+    assert dev.step([SeqStep(ids[:40], 0, table)]) == [SeqOut()]
+    read(dev.step([SeqStep(ids[40:], 40, table, readout=keys, argmax=True)])[0])
+    outs = dev.step([SeqStep(other[:20], 0, t2), SeqStep(ids, 0, table, readout=keys, argmax=True),
+                     SeqStep(other, 0, t3, argmax=True)])
+    assert outs[0] == SeqOut() and read(outs[1]) == alone and outs[2].argmax == int(full_other.argmax())
+    assert dev.pruned_steps - n0 == 4
+    dev.prune_last = False
+    try:
+        assert dev.step([SeqStep(ids, 0, table, readout=keys, argmax=True)])[0] == alone
+    finally:
+        dev.prune_last = True
+    assert dev.pruned_steps - n0 == 4
 
 
 @needs_gpu
