@@ -13,7 +13,10 @@ must never vanish behind its back through garbage collection.
 """
 import contextlib
 import ctypes
+import math
 import os
+import struct
+import threading
 
 import numpy as np
 
@@ -21,6 +24,7 @@ try:
     from cuda.bindings import driver as cu
 except ImportError:                       # no cuda-python: available() says False, GPU() cannot be made
     cu = None
+_SUCCESS = cu.CUresult.CUDA_SUCCESS if cu is not None else 0
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels_ptx")
 
@@ -76,7 +80,7 @@ class DeviceArray:
 
     @property
     def size(self):
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def close(self):
         if self.base is None and self.ptr:
@@ -133,22 +137,64 @@ class Event:
 
 
 def _arg(a):
-    """One kernel argument as (value, ctypes type) for cuLaunchKernel's (values, types) form."""
+    """One kernel argument as (value, code): "P" pointer (DeviceArray, ptr, None = null), "q" int64 (i64), "i" int32
+    (int), "f" float32 (float). The exact types first: this runs for every argument of every launch."""
+    t = type(a)
+    if t is DeviceArray:
+        return a.ptr, "P"
+    if t is int and -2**31 <= a < 2**31:
+        return a, "i"
+    if t is float:
+        return a, "f"
     if a is None:
-        return 0, ctypes.c_void_p                      # a null pointer (e.g. no norm weight)
-    if isinstance(a, DeviceArray):
-        return a.ptr, ctypes.c_void_p
+        return 0, "P"                                  # a null pointer (e.g. no norm weight)
     if isinstance(a, ptr):
-        return int(a), ctypes.c_void_p
+        return int(a), "P"
     if isinstance(a, i64):
-        return int(a), ctypes.c_longlong
+        return int(a), "q"
     if isinstance(a, (float, np.floating)):
-        return float(a), ctypes.c_float
+        return float(a), "f"
     if isinstance(a, (int, np.integer)):
         if not -2**31 <= int(a) < 2**31:
             raise OverflowError(f"kernel argument {int(a)} does not fit int32; pass gpu.i64(v)")
-        return int(a), ctypes.c_int
+        return int(a), "i"
     raise TypeError(f"unsupported kernel argument type {type(a).__name__}")
+
+
+# cuLaunchKernel's kernelParams in the void** form: a launch's values packed by one struct.pack_into into 8-byte
+# slots, beside an array of the slots' addresses, both made once per argument layout (and thread) and reused,
+# since the driver reads the values during the call. cuda-python's (values, types) form builds ctypes objects for
+# every argument: with it a launch cost ~22 us of host time on the H200's host (BENCHMARKS.md, fourteenth
+# session), and a 508-token prompt's ~400 eager launches took as long as its kernels.
+_SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x"}
+
+
+class _Layouts(threading.local):
+    def __init__(self):
+        self.by_codes = {}                             # codes -> (struct, values buffer, slot addresses, address)
+
+
+_layouts = _Layouts()
+
+
+def kernel_params(args):
+    """The void** kernelParams address of `args` (see _SLOT): valid until the next call with the same argument
+    layout in this thread."""
+    vals, codes = [], []
+    for a in args:
+        v, c = _arg(a)
+        vals.append(v)
+        codes.append(c)
+    key = "".join(codes)
+    lay = _layouts.by_codes.get(key)
+    if lay is None:
+        n = max(len(key), 1)
+        data = ctypes.create_string_buffer(8 * n)
+        slots = (ctypes.c_void_p * n)(*[ctypes.addressof(data) + 8 * i for i in range(n)])
+        lay = _layouts.by_codes[key] = (struct.Struct("<" + "".join(_SLOT[c] for c in key)), data, slots,
+                                        ctypes.addressof(slots))
+    lay[0].pack_into(lay[1], 0, *vals)
+    return lay[3]
 
 
 class GPU:
@@ -174,6 +220,7 @@ class GPU:
         self._pdl_attr = cu.CUlaunchAttribute()
         self._pdl_attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         self._pdl_attr.value.programmaticStreamSerializationAllowed = 1
+        self._pdl_configs = {}             # (grid, block, shared, stream) -> CUlaunchConfig (launch)
         # branches: a second stream for work that may run beside the main stream's (see branch / join)
         self.branches = os.environ.get("SPAN02_BRANCHES", "1") != "0"
         self.main_stream = self.stream
@@ -212,7 +259,7 @@ class GPU:
         """A sub-array of `a` starting offset_bytes in, contiguous; no copy, never frees."""
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset_bytes < 0 or offset_bytes % dtype.itemsize or offset_bytes + nbytes > a.nbytes:
             raise ValueError(f"view [{offset_bytes}, +{nbytes}) {dtype} does not fit in {a}")
         return DeviceArray(self, a.ptr + offset_bytes, shape, dtype, nbytes, base=a if a.base is None else a.base)
@@ -284,20 +331,26 @@ class GPU:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(f.handle, attr, shared), f"cuFuncSetAttribute {f.name} shared={shared}")
             f.max_shared = shared
-        packed = [_arg(a) for a in args]
-        params = (tuple(v for v, _ in packed), tuple(t for _, t in packed))
+        params = kernel_params(args)
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         if pdl and self.pdl:
-            cfg = cu.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
-            cfg.sharedMemBytes, cfg.hStream = shared, self.stream
-            cfg.attrs, cfg.numAttrs = [self._pdl_attr], 1
-            check(cu.cuLaunchKernelEx(cfg, f.handle, params, 0),
-                  f"cuLaunchKernelEx {f.name} grid={grid} block={block} shared={shared} (PDL)")
+            key = (grid, block, shared, id(self.stream))
+            cfg = self._pdl_configs.get(key)
+            if cfg is None:                                # made once per shape: ~10 us of host time each
+                if len(self._pdl_configs) >= 4096:
+                    self._pdl_configs.clear()
+                cfg = cu.CUlaunchConfig()
+                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+                cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+                cfg.sharedMemBytes, cfg.hStream = shared, self.stream
+                cfg.attrs, cfg.numAttrs = [self._pdl_attr], 1
+                self._pdl_configs[key] = cfg
+            err = cu.cuLaunchKernelEx(cfg, f.handle, params, 0)
         else:
-            check(cu.cuLaunchKernel(f.handle, *grid, *block, shared, self.stream, params, 0),
-                  f"cuLaunchKernel {f.name} grid={grid} block={block} shared={shared}")
+            err = cu.cuLaunchKernel(f.handle, *grid, *block, shared, self.stream, params, 0)
+        if (err[0] if type(err) is tuple else err) != _SUCCESS:
+            check(err, f"{'cuLaunchKernelEx' if pdl and self.pdl else 'cuLaunchKernel'} {f.name} grid={grid} "
+                       f"block={block} shared={shared}{' (PDL)' if pdl and self.pdl else ''}")
         if self._capture_launches is not None:
             self._capture_launches += 1
         if self.launch_hook is not None:

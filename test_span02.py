@@ -3063,6 +3063,38 @@ def test_gpu_runtime_graph_replay(g):
     graph.close()
 
 
+def test_kernel_params_pack_each_argument_kind():
+    """gpu.kernel_params (no GPU needed): the void** array points at each argument's value in its C type (pointer,
+    int32, int64, float32); a layout's buffers are reused, another layout's are its own; bad arguments raise."""
+    import ctypes
+    rng = np.random.default_rng(11)
+
+    class Arr:                                     # stands in for a DeviceArray: only .ptr is read
+        pass
+    dev = gpu.DeviceArray(None, int(rng.integers(1, 2**47)), (4,), np.float32, 16)
+    vals = [dev, None, gpu.ptr(int(rng.integers(1, 2**47))), int(rng.integers(-2**31, 2**31)),
+            np.int32(rng.integers(-2**31, 2**31)), gpu.i64(int(rng.integers(-2**62, 2**62))),
+            float(rng.standard_normal()), np.float32(rng.standard_normal()), True]
+    want = [(ctypes.c_uint64, dev.ptr), (ctypes.c_uint64, 0), (ctypes.c_uint64, int(vals[2])),
+            (ctypes.c_int32, vals[3]), (ctypes.c_int32, int(vals[4])), (ctypes.c_int64, int(vals[5])),
+            (ctypes.c_float, float(np.float32(vals[6]))), (ctypes.c_float, float(vals[7])), (ctypes.c_int32, 1)]
+
+    def read(address, n):
+        slots = (ctypes.c_void_p * n).from_address(address)
+        return [t.from_address(slots[i]).value for i, (t, _) in enumerate(want[:n])]
+    a = gpu.kernel_params(vals)
+    assert read(a, len(vals)) == [v for _, v in want]
+    other = gpu.kernel_params(vals[:3])            # another layout: the first one's values stay
+    assert other != a and read(a, len(vals)) == [v for _, v in want]
+    vals[3] = -vals[3] - 1
+    want[3] = (ctypes.c_int32, vals[3])
+    assert gpu.kernel_params(vals) == a and read(a, len(vals)) == [v for _, v in want]
+    with pytest.raises(OverflowError):
+        gpu.kernel_params([1 << 40])
+    with pytest.raises(TypeError):
+        gpu.kernel_params([Arr()])
+
+
 @needs_gpu
 def test_gpu_runtime_errors(g, tmp_path, monkeypatch):
     g = g

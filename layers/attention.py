@@ -4,11 +4,13 @@ GQA, the exact sliding-window mask and, on sliding layers, bidirectional attenti
 KV layout (the GPU uses the same): per layer K and V pools of shape (blocks, 16, Hkv, D); position p of a
 sequence lives in block `table[p // 16]`, slot `p % 16`.
 """
+import ml_dtypes
 import numpy as np
 
 from layers.norm import rmsnorm
 
 BLOCK = 16  # positions per KV block
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def rope_inv_freq(rope, head_dim):
@@ -100,8 +102,7 @@ def split_z(n, Hkv, slots):
 
 
 def _need(a, shape, dtype, name):
-    import ml_dtypes
-    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bf16" else np.dtype(dtype)
+    dt = _BF16 if dtype == "bf16" else np.dtype(dtype)
     if a.dtype != dt:
         raise ValueError(f"{name}: dtype {a.dtype}, expected {dt}")
     if tuple(a.shape) != tuple(shape):

@@ -1,4 +1,6 @@
 """RMSNorm as Gemma-4 computes it: weight used directly (not 1 + w); at least fp32."""
+import math
+
 import numpy as np
 
 
@@ -25,7 +27,7 @@ def rmsnorm_gpu(g, x, w, out, eps, add=None, scale=None, ld_x=None, ld_out=None)
     w: bf16 (n,) or None (no-scale). out may alias x or add. The thread layout depends on n only."""
     shape = x.shape
     n, heads = shape[-1], (shape[-2] if len(shape) >= 3 else 1)
-    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    rows = math.prod(shape[:-1])
     ld_x, ld_out = ld_x or heads * n, ld_out or heads * n
     assert x.dtype == out.dtype == BF16 and out.shape == shape, (x, out)
     assert w is None or (w.dtype == BF16 and w.shape == (n,)), w
