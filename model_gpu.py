@@ -165,10 +165,8 @@ class GpuModel(StepTools):
                 g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
                          out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
         keep = self._keep_rows(seqs, offsets, lens)
-        self._first_norm(T)
-        last = len(self.layers) - 1
-        for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
-            self._layer(i, w, geo, T, pos, rows_seq, tab, sp, keep=keep if i == last else None)
+        self.pruned_steps += keep is not None
+        self._stack(T, pos, rows_seq, tab, sp, keep)
         return self._head(seqs, offsets, lens, pruned=keep is not None)
 
     def _keep_rows(self, seqs, offsets, lens):
@@ -181,10 +179,16 @@ class GpuModel(StepTools):
                 for j, s in enumerate(seqs) if s.readout or s.argmax]
         if len(rows) == int(offsets[-1]):
             return None
-        self.pruned_steps += 1
         R = len(rows)
         return self.g.upload(np.asarray(rows, np.int32).reshape(R, 3).T.copy(),
                              out=self.g.view(self.ws["keep"], 0, (3, R), np.int32))
+
+    def _stack(self, T, pos, rows_seq, tab, spans, keep):
+        """The decoder layers of an eager step over its T rows, the last one keeping `keep`'s rows (_keep_rows)."""
+        self._first_norm(T)
+        last = len(self.layers) - 1
+        for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
+            self._layer(i, w, geo, T, pos, rows_seq, tab, spans, keep=keep if i == last else None)
 
     def _first_norm(self, T):
         """xn = layer 0's input_layernorm(x); every later layer's comes fused at the end of the one before."""
@@ -244,10 +248,9 @@ class GpuModel(StepTools):
         g, H = self.g, self.cfg.text.hidden
         R = keep.shape[1]
         rows = g.view(keep, 0, (R,), np.int32)
-        for src, tmp, n in (("q", "q_in", width), ("x", "a", H)):
-            if R:
-                embed_gpu(g, self._v(src, T, n), rows, self._v(tmp, R, n), 1.0)     # x * 1.0 is exact
-                g.copy(self._v(src, R, n), self._v(tmp, R, n))
+        for src, tmp, n in (("q", "q_in", width), ("x", "a", H)) if R else ():
+            embed_gpu(g, self._v(src, T, n), rows, self._v(tmp, R, n), 1.0)         # x * 1.0 is exact
+            g.copy(self._v(src, R, n), self._v(tmp, R, n))
         return R, g.view(keep, 4 * R, (R,), np.int32), g.view(keep, 8 * R, (R,), np.int32)
 
     def _head(self, seqs, offsets, lens, pruned=False):
@@ -462,13 +465,8 @@ class GpuModel(StepTools):
         self.step([seq])
         pos, rows_seq = self._v("pos", T, dtype=np.int32), self._v("rows_seq", T, dtype=np.int32)
         tab, sp = g.view(self.ws["tables"], 0, (1, nb), np.int32), g.view(self.ws["spans"], 0, (1, 1, 2), np.int32)
-        keep, last = self._keep_rows([seq], [0, T], [T]), len(self.layers) - 1
-
-        def body():
-            self._first_norm(T)
-            for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
-                self._layer(i, w, geo, T, pos, rows_seq, tab, sp, keep=keep if i == last else None)
-        return self._profile(body, reps)
+        keep = self._keep_rows([seq], [0, T], [T])
+        return self._profile(lambda: self._stack(T, pos, rows_seq, tab, sp, keep), reps)
 
     def _profile(self, body, reps):
         """[{"kernel", "us", "bytes", "flops"}] of the launches body() makes: captured into a graph with an event

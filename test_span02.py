@@ -4228,6 +4228,16 @@ def test_gpu_last_layer_keeps_only_head_rows(demo_pair):
 
 
 @needs_gpu
+def test_gpu_profile_prefill_times_the_pruned_stack(demo_pair):
+    """profile_prefill: a positive time for each kernel of the layer stack, whose last layer runs as the step runs
+    it: its two row gathers (q and x, _move_kept) are there."""
+    _, dev = demo_pair
+    prof = dev.profile_prefill(45)
+    names = [p["kernel"] for p in prof]
+    assert prof and all(p["us"] > 0 for p in prof) and names.count("elementwise.embed_bf16") == 2, names
+
+
+@needs_gpu
 def test_gpu_demo_matches_transformers_bf16(demo_pair):
     from checkpoint import Checkpoint
     cpu, dev = demo_pair
