@@ -1,0 +1,437 @@
+// The attention tile of kernels_ptx/attention.cu (its header states the arithmetic and why a query's output bytes do
+// not depend on the launch) and the pieces every attention kernel shares: key range, exp, fold, ldmatrix, cp.async.
+// attention.cu instantiates the mma.sync tile (split, fused); attention_sm90a.cu builds its wgmma tile from the same
+// pieces.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define KV_BLOCK 16      // positions per KV block
+#define CHUNK 64         // keys per attention partial
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention.
+// ---------------------------------------------------------------------------------------------------------
+
+// Key range [lo, hi] of row r (see the header). spans: int32 (S, n_spans, 2) (start, n), n = 0 unused; or null.
+__device__ __forceinline__ void key_range(int r, const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
+                                          const int* __restrict__ spans, int n_spans, int window, int sliding,
+                                          int& lo, int& hi) {
+    const int p = rows_pos[r];
+    lo = sliding ? max(0, p - window + 1) : 0;
+    hi = p;
+    if (sliding && spans) {
+        const int* sp = spans + (size_t)rows_seq[r] * n_spans * 2;
+        for (int i = 0; i < n_spans; i++) {
+            const int st = sp[2 * i], n = sp[2 * i + 1];
+            if (n > 0 && p >= st && p < st + n) hi = max(hi, st + n - 1);
+        }
+    }
+}
+
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention on the tensor cores.
+//
+// Work split. A CTA computes, for one kv head and one chunk at a time, a tile of MT m16 row blocks
+// ("m-tiles") of (position, head) query rows: tile row m = position index pi * G + head-in-group hl, so the
+// G heads of a kv head share every K/V byte. NWG = D / 64 warps per m-tile: warp wg computes the scores
+// S = Q K^T of the chunk's keys [KW wg, KW wg + KW) (KW = 64 / NWG; all 64 keys when D = 64) over the full D,
+// and P.V for output columns [64 wg, 64 wg + 64). Row max and row sum of p cross the NWG warps through smem,
+// joined in warp order 0..NWG-1. K and V chunks, the Q tile and P (bf16) live in smem (ldmatrix fragments;
+// rows padded by 16 bytes: conflict-free). Loads are cp.async with zero-fill: K(c+1) streams in during the
+// softmax and P.V of c, V(c+1) during the scores of c+1.
+//   split: MT = 1, one position (its G heads, padded to 16 rows); grid (rows, Hkv, Z): CTA z handles the chunk
+//          slots z, z + Z, ... of its row (Z <= slots, from the launch shape only) and stores each partial.
+//   fused: MT = FMT(D) (4 for D = 256, else 2), RP = 16 MT / G positions (consecutive launch rows) per tile;
+//          grid (ceil(rows / RP), Hkv). (MT = 4 shares each K / V chunk among twice the rows: the sliding layers'
+//          2,048-token prefill 284.9 -> 254.8 us on the H200, BENCHMARKS.md 7th session; D = 512 cannot: its
+//          1,024 threads would need <= 64 registers; D <= 128 was not measured.) The
+//          tile's rows may belong to several sequences: one pass per distinct sequence (rows of other
+//          sequences are masked in that pass), chunks in increasing order inside a pass; each row is folded
+//          only in its own pass, only for chunks that hold one of its keys.
+// Per (row, chunk) the instruction sequence is the same in both kernels (attn_tile's body), hence the bits.
+// ---------------------------------------------------------------------------------------------------------
+
+// e^x = 2^(x * log2 e): one rounded multiply, then ex2.approx.ftz (rel. error ~2^-22). Inline PTX, so every
+// kernel (split, fused, combine) runs the same two instructions. exp(-inf) = +0, exp(0) = 1.
+__device__ __forceinline__ float exp_fixed(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(__fmul_rn(x, 1.4426950408889634f)));
+    return r;
+}
+
+// The fold of one chunk partial (m, l, acc[]) into a row's running (M, L, A[]), in attn_combine_bf16 and in the
+// fused kernel: M' = max(M, m); a = exp(M - M'); b = exp(m - M'); L = fma(L, a, l b); A = fma(A, a, acc b).
+// Starts from M = -inf, L = 0, A = 0 (the first fold has a = 0, b = 1).
+struct FoldW {
+    float a, b;
+};
+__device__ __forceinline__ FoldW fold_weights(float& M, float& L, float m, float l) {
+    const float Mn = fmaxf(M, m);
+    FoldW w;
+    w.a = exp_fixed(__fsub_rn(M, Mn));
+    w.b = exp_fixed(__fsub_rn(m, Mn));
+    L = __fmaf_rn(L, w.a, __fmul_rn(l, w.b));
+    M = Mn;
+    return w;
+}
+__device__ __forceinline__ float fold_acc(float A, float acc, FoldW w) {
+    return __fmaf_rn(A, w.a, __fmul_rn(acc, w.b));
+}
+
+// D (16x8 f32) += A (16x16 bf16, row) * B (16x8 bf16, col). Fragments (g = lane / 4, t = lane % 4):
+//   a0 = A[g][2t, 2t+1]  a1 = A[g+8][2t, 2t+1]  a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
+//   b0 = B[2t, 2t+1][g]  b1 = B[2t+8, 2t+9][g];  d0, d1 = D[g][2t, 2t+1]  d2, d3 = D[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix: lanes 8i .. 8i+7 give the row addresses of 8x8 bf16 matrix i; register i of lane (g, t) gets
+// row g, columns 2t, 2t+1 of matrix i (.trans: rows 2t, 2t+1 of column g).
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
+}
+
+// 16-byte async copy global -> shared; ok = false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(void* s, const void* gsrc, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(gsrc), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int D> struct AttnCfg {
+    static_assert(D == 64 || D == 128 || D == 256 || D == 512, "D: 64, 128, 256 or 512");
+    static constexpr int NWG = D / 64;          // warps per m-tile; warp wg: output columns [64 wg, 64 wg + 64)
+    static constexpr int KW = CHUNK / NWG;      // keys per warp for S (keys [KW wg, KW wg + KW) of the chunk)
+    static constexpr int NTS = KW / 8;          // S n-tiles (8 keys) per warp
+    static constexpr int SROW = 2 * D + 16;     // smem bytes per Q / K / V row
+    static constexpr int PROW = 2 * CHUNK + 16; // smem bytes per P row
+};
+// Dynamic smem of attn_tile<D, MT>: K, V chunks; Q tile; P tile; row max / sum per (m-tile, warp, row);
+// per-position lo, hi, seq. layers/attention.py: attention_smem() computes the same.
+//   D=64: 23,360 / 28,288 B; D=128: 41,920 / 49,024 B; D=256: 79,040 / 90,496 / 113,408 B; D=512: 153,280 /
+//   173,440 B (split MT = 1 / fused MT = 2 / fused MT = 4).
+
+// attn_tile<D, MT, SPLIT>: see the block comment above. Arguments:
+// q (T, Hq, D) bf16 (roped); pools (blocks, 16, Hkv, D) bf16; block_tables int32 (S, max_blocks); spans see
+// key_range; rows row0 .. row0 + nrows - 1 of the launch (split: a group of the scratch); max_slots = chunk
+// slots per (row, head) in the scratch (a row needing more gets NaN, also in the fused kernel).
+// split writes, at i = ((r - row0) * Hq + h) * max_slots + z (z = c - lo / 64):
+//   part_ml[2i] = m, part_ml[2i+1] = l, part_acc[i * D + d] = acc[d];
+// fused writes out (T, Hq * D) bf16 = A / L of every row.
+template <int D, int MT, bool SPLIT>
+__device__ __forceinline__ void attn_tile(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+    const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
+    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ spans, int n_spans,
+    int window, int sliding, int row0, int nrows, int Hq, int Hkv, int max_slots,
+    float* __restrict__ part_ml, float* __restrict__ part_acc, __nv_bfloat16* __restrict__ out) {
+    using C = AttnCfg<D>;
+    constexpr int NWG = C::NWG, KW = C::KW, NTS = C::NTS, SROW = C::SROW, PROW = C::PROW;
+    constexpr int NT = MT * NWG * 32;           // threads
+    constexpr int PPR = D / 8;                  // 16-byte pieces per Q / K / V row
+    static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0, "load loops");
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* Ks = smem;                                        // [64 keys][SROW]
+    uint8_t* Vs = Ks + CHUNK * SROW;                           // [64 keys][SROW]
+    uint8_t* Qs = Vs + CHUNK * SROW;                           // [16 MT rows][SROW]
+    uint8_t* Ps = Qs + 16 * MT * SROW;                         // [16 MT rows][PROW]
+    float* red_max = reinterpret_cast<float*>(Ps + 16 * MT * PROW);   // [MT][NWG][16]
+    float* red_sum = red_max + MT * NWG * 16;                  // [MT][NWG][16]
+    int* p_lo = reinterpret_cast<int*>(red_sum + MT * NWG * 16);       // [16 MT] per position of the tile
+    int* p_hi = p_lo + 16 * MT;
+    int* p_seq = p_hi + 16 * MT;                               // -1: past the launch's rows
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int mt = warp / NWG, wg = warp % NWG, g = lane >> 2, qd = lane & 3;
+    const int G = Hq / Hkv, kvh = blockIdx.y;
+    const int RP = SPLIT ? 1 : (16 * MT) / G;                  // positions per tile (rows RP * G used)
+    // fused: the last tiles (usually the latest positions, the most chunks) are launched first
+    const int lr0 = SPLIT ? (int)blockIdx.x : (int)(gridDim.x - 1 - blockIdx.x) * RP;
+    const size_t HD = (size_t)Hkv * D;
+    const float NEG = -__int_as_float(0x7f800000);
+
+    if (tid < RP) {
+        const int lr = lr0 + tid;
+        int lo = 0, hi = -1, s = -1;
+        if (lr < nrows) {
+            key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
+            s = rows_seq[row0 + lr];
+        }
+        p_lo[tid] = lo;
+        p_hi[tid] = hi;
+        p_seq[tid] = s;
+    }
+    __syncthreads();
+
+    // split: slots z0, z0 + zstep, ... of the one position (CTA-uniform exit when it has fewer chunks)
+    const int z0 = SPLIT ? (int)blockIdx.z : 0, zstep = SPLIT ? (int)gridDim.z : 1;
+    if (SPLIT && (p_seq[0] < 0 || z0 >= max_slots || p_lo[0] / CHUNK + z0 > p_hi[0] / CHUNK)) return;
+
+    // this lane's two tile rows m = 16 mt + g (+8): position index, head, usable
+    int rpi[2], rh[2];
+    bool rok[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const int m = 16 * mt + g + 8 * rr;
+        rok[rr] = m < RP * G && p_seq[m / G] >= 0;
+        rpi[rr] = rok[rr] ? m / G : 0;
+        rh[rr] = kvh * G + m % G;
+    }
+
+    float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};                 // fused: running fold per row
+    float A[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) A[n][i] = 0.f;
+
+    // Q tile (once): row m = position pi * G + hl -> q[(row0 + lr0 + pi) * Hq + kvh * G + hl]; unused rows 0
+#pragma unroll
+    for (int it = 0; it < 16 * MT * PPR / NT; it++) {
+        const int idx = tid + it * NT, m = idx / PPR, pc = idx % PPR, pi = m / G;
+        const bool ok = m < RP * G && p_seq[pi] >= 0;
+        const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * D + 8 * pc : q;
+        cp_async16(Qs + m * SROW + 16 * pc, src, ok);
+    }
+    // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read
+    auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
+                       int kmin, int kmax) {
+#pragma unroll 4
+        for (int it = 0; it < CHUNK * PPR / NT; it++) {
+            const int idx = tid + it * NT, kk = idx / PPR, pc = idx % PPR, j = c * CHUNK + kk;
+            const bool ok = j >= kmin && j <= kmax;
+            const __nv_bfloat16* src = pool;
+            if (ok) src = pool + ((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D + 8 * pc;
+            cp_async16(dst + kk * SROW + 16 * pc, src, ok);
+        }
+    };
+
+    unsigned long long done = 0;                                // positions whose pass has run
+    for (;;) {
+        // the pass: the sequence of the first position not done, all positions of it (CTA-uniform)
+        int seq = -1;
+        for (int i = 0; i < RP; i++)
+            if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
+        if (seq < 0) break;
+        int kmin = 0x7fffffff, kmax = -1;                       // keys some row of the pass may see
+        for (int i = 0; i < RP; i++)
+            if (p_seq[i] == seq) {
+                done |= 1ull << i;
+                kmin = min(kmin, p_lo[i]);
+                kmax = max(kmax, p_hi[i]);
+            }
+        const int* bt = block_tables + (size_t)seq * max_blocks;
+        bool ract[2];
+        int rlo[2], rhi[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            ract[rr] = rok[rr] && p_seq[rpi[rr]] == seq;
+            rlo[rr] = p_lo[rpi[rr]];
+            rhi[rr] = p_hi[rpi[rr]];
+        }
+        const int cb = kmin / CHUNK + z0, cs = zstep;
+        int ce = kmax / CHUNK;
+        if (SPLIT) ce = min(ce, kmin / CHUNK + max_slots - 1);  // slots past the scratch: the combine NaNs the row
+
+        load_kv(Ks, k_pool, bt, cb, kmin, kmax);
+        cp_async_commit();                                      // group: (Q,) K(cb)
+        load_kv(Vs, v_pool, bt, cb, kmin, kmax);
+        cp_async_commit();                                      // group: V(cb)
+        for (int c = cb; c <= ce; c += cs) {
+            const int cn = c + cs;                              // next chunk of the pass, if <= ce
+            cp_async_wait<1>();                                 // K(c) landed (V(c) may be in flight)
+            __syncthreads();
+
+            // --- S = Q K^T for rows of m-tile mt, keys KW wg + 8n + (0..7): d ascending, 16 per mma ---
+            float s[NTS][4];
+#pragma unroll
+            for (int n = 0; n < NTS; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) s[n][i] = 0.f;
+            {
+                const uint8_t* qa = Qs + (16 * mt + (lane & 15)) * SROW + 16 * (lane >> 4);
+                const uint8_t* kb = Ks + (KW * wg + (lane & 7)) * SROW + 16 * ((lane >> 3) & 1);
+#pragma unroll 4
+                for (int ks = 0; ks < D / 16; ks++) {
+                    uint32_t a[4];
+                    ldsm_x4(a, qa + 32 * ks);
+#pragma unroll
+                    for (int n = 0; n < NTS; n++) {
+                        uint32_t b[2];
+                        ldsm_x2(b, kb + n * 8 * SROW + 32 * ks);
+                        mma16816(s[n], a, b[0], b[1]);
+                    }
+                }
+            }
+            // mask (select): key j visible to the row iff it is in this pass and lo <= j <= hi; row max
+            float mx[2] = {NEG, NEG};
+#pragma unroll
+            for (int n = 0; n < NTS; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int rr = i >> 1, j = c * CHUNK + KW * wg + 8 * n + 2 * qd + (i & 1);
+                    const bool v = ract[rr] && j >= rlo[rr] && j <= rhi[rr];
+                    s[n][i] = v ? s[n][i] : NEG;
+                    mx[rr] = fmaxf(mx[rr], s[n][i]);
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+            }
+            float* rmax = red_max + mt * NWG * 16;
+            float* rsum = red_sum + mt * NWG * 16;
+            if (qd == 0) {
+                rmax[wg * 16 + g] = mx[0];
+                rmax[wg * 16 + g + 8] = mx[1];
+            }
+            __syncthreads();                                    // maxima visible; every warp is done with Ks
+            if (cn <= ce) load_kv(Ks, k_pool, bt, cn, kmin, kmax);
+            cp_async_commit();                                  // group: K(cn) (maybe empty)
+
+            // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: lane sum (n ascending), quad
+            //     butterfly, then the warps in order 0..NWG-1 ---
+            float mrow[2], lsum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float v = rmax[g + 8 * rr];
+#pragma unroll
+                for (int w = 1; w < NWG; w++) v = fmaxf(v, rmax[w * 16 + g + 8 * rr]);
+                mrow[rr] = v;
+            }
+            {
+                uint8_t* pw = Ps + (16 * mt + g) * PROW + 2 * (KW * wg + 2 * qd);
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];   // row without keys here: all p = 0
+#pragma unroll
+                    for (int n = 0; n < NTS; n++) {
+                        const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
+                        const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
+                        const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
+                        *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
+                        const float2 pf = __bfloat1622float2(pb);
+                        lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
+                    }
+                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
+                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
+                }
+            }
+            if (qd == 0) {
+                rsum[wg * 16 + g] = lsum[0];
+                rsum[wg * 16 + g + 8] = lsum[1];
+            }
+            cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
+            __syncthreads();                                    // ... for everyone; P and the sums visible
+            float lrow[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                float v = rsum[g + 8 * rr];
+#pragma unroll
+                for (int w = 1; w < NWG; w++) v = __fadd_rn(v, rsum[w * 16 + g + 8 * rr]);
+                lrow[rr] = v;
+            }
+
+            // --- acc = P V for rows of m-tile mt, columns 64 wg + 8n + (0..7): keys ascending, 16 per mma ---
+            float o[8][4];
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) o[n][i] = 0.f;
+            {
+                const uint8_t* pa = Ps + (16 * mt + (lane & 15)) * PROW + 16 * (lane >> 4);
+                // x4.trans matrices: (keys 0-7, cols +0-7), (keys 8-15, +0-7), (keys 0-7, +8-15), (keys 8-15, +8-15)
+                const uint8_t* vb = Vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * SROW + 128 * wg + 16 * (lane >> 4);
+#pragma unroll
+                for (int ks = 0; ks < CHUNK / 16; ks++) {
+                    uint32_t a[4];
+                    ldsm_x4(a, pa + 32 * ks);
+#pragma unroll
+                    for (int np = 0; np < 4; np++) {
+                        uint32_t b[4];
+                        ldsm_x4_t(b, vb + 16 * ks * SROW + 32 * np);
+                        mma16816(o[2 * np], a, b[0], b[1]);
+                        mma16816(o[2 * np + 1], a, b[2], b[3]);
+                    }
+                }
+            }
+
+            if (SPLIT) {                                        // store the partial of slot z
+                const int z = c - kmin / CHUNK;
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (!ract[rr]) continue;                    // rows m < G of the one position
+                    const size_t i = ((size_t)lr0 * Hq + rh[rr]) * max_slots + z;
+                    float* pa = part_acc + i * D + 64 * wg + 2 * qd;
+#pragma unroll
+                    for (int n = 0; n < 8; n++)
+                        *reinterpret_cast<float2*>(pa + 8 * n) = make_float2(o[n][2 * rr], o[n][2 * rr + 1]);
+                    if (wg == 0 && qd == 0) {
+                        part_ml[2 * i] = mrow[rr];
+                        part_ml[2 * i + 1] = lrow[rr];
+                    }
+                }
+            } else {                                            // fold into the running state
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    if (!(ract[rr] && c >= rlo[rr] / CHUNK && c <= rhi[rr] / CHUNK)) continue;
+                    const FoldW w = fold_weights(M[rr], L[rr], mrow[rr], lrow[rr]);
+#pragma unroll
+                    for (int n = 0; n < 8; n++) {
+                        A[n][2 * rr] = fold_acc(A[n][2 * rr], o[n][2 * rr], w);
+                        A[n][2 * rr + 1] = fold_acc(A[n][2 * rr + 1], o[n][2 * rr + 1], w);
+                    }
+                }
+            }
+            __syncthreads();                                    // every warp is done with Vs and Ps
+            if (cn <= ce) load_kv(Vs, v_pool, bt, cn, kmin, kmax);
+            cp_async_commit();                                  // group: V(cn) (maybe empty)
+        }
+    }
+    cp_async_wait<0>();
+
+    if (!SPLIT) {                                               // out = A / L (NaN: more chunks than max_slots)
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            if (!rok[rr]) continue;
+            const int pi = rpi[rr];
+            const bool bad = p_hi[pi] / CHUNK - p_lo[pi] / CHUNK + 1 > max_slots;
+            __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * D + 64 * wg + 2 * qd;
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(A[n][2 * rr], L[rr]), __fdiv_rn(A[n][2 * rr + 1], L[rr]));
+                if (bad) v = __halves2bfloat162(__ushort_as_bfloat16((unsigned short)0x7fc0), __ushort_as_bfloat16((unsigned short)0x7fc0));
+                *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = v;
+            }
+        }
+    }
+}
+
+// The arguments of every attention kernel (attention.cu, attention_sm90a.cu), and passing them on.
+#define ATTN_ARGS                                                                                             \
+    const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ k_pool,                          \
+        const __nv_bfloat16 *__restrict__ v_pool, const int *__restrict__ rows_seq,                         \
+        const int *__restrict__ rows_pos, const int *__restrict__ block_tables, int max_blocks,             \
+        const int *__restrict__ spans, int n_spans, int window, int sliding, int row0, int nrows, int Hq,  \
+        int Hkv, int max_slots, float *__restrict__ part_ml, float *__restrict__ part_acc,                  \
+        __nv_bfloat16 *__restrict__ out
+#define ATTN_PASS                                                                                             \
+    q, k_pool, v_pool, rows_seq, rows_pos, block_tables, max_blocks, spans, n_spans, window, sliding, row0,  \
+        nrows, Hq, Hkv, max_slots, part_ml, part_acc, out
