@@ -5447,6 +5447,86 @@ def test_gpu_attention_v2_timing(g, geo):
     sc.close()
 
 
+@needs_gpu
+def test_gpu_attention_wg_matches_mma(g, monkeypatch):
+    """The wgmma fused tile (attention_sm90a.cu, the prefill path of the sliding layers on sm_90) writes every byte the
+    mma.sync tile (attention.cu attn_fused_bf16_d256) writes, on fresh random q / K / V: a 1,500-row prompt with two
+    image blocks, a 200-row launch whose tiles mix three sequences at unaligned positions, other groupings (G = 4, 1, 4)
+    and windows (20, 7, beyond the prompt), and a max_keys too small (both tiles NaN the same rows)."""
+    if g.capability != (9, 0):
+        pytest.skip("the wgmma tile needs an sm_90 GPU")
+    rng = np.random.default_rng(31)
+
+    def both(sc, q, rs, rp, spans, W, max_keys=None):
+        outs = []
+        for k in (None, A.ATTN_FUSED_WG):
+            monkeypatch.setattr(A, "ATTN_FUSED_WG", k)
+            outs.append(run_attn(g, sc, q, rs, rp, spans, W, True, max_keys=max_keys))
+        assert len(rs) > A.ATTN_SPLIT_ROWS
+        return outs
+
+    sc = Scene(g, rng, [1500, 900, 1700, 300], 8, 256)
+    q = rand_q(rng, 1500, 256, 16)
+    spans = {0: [(600, 280), (1200, 70)]}
+    mma, wg = both(sc, q, np.zeros(1500, np.int32), np.arange(1500), spans, 1024)
+    assert (bits(wg) == bits(mma)).all(), f"prompt: {(bits(wg) != bits(mma)).sum()} elements differ"
+    report("attn wg prompt with image blocks (sampled rows)", wg[::37],
+           reference(sc, q[::37], np.zeros(len(q[::37]), np.int64), np.arange(1500)[::37], spans, 1024, True))
+    rs = np.array([1] * 70 + [2] * 100 + [3] * 30, np.int32)
+    rp = np.concatenate([np.arange(830, 900), np.arange(1600, 1700), np.arange(270, 300)]).astype(np.int32)
+    mma, wg = both(sc, rand_q(rng, 200, 256, 16), rs, rp, {}, 1024)
+    assert (bits(wg) == bits(mma)).all(), "mixed sequences differ"
+    mma, wg = both(sc, rand_q(rng, 200, 256, 16), rs, rp, {}, 1024, max_keys=300)
+    assert np.isnan(f64(wg)).any() and (bits(wg) == bits(mma)).all(), "max_keys too small: other bytes"
+    sc.close()
+    for Hq, Hkv, W in ((4, 1, 20), (3, 3, 7), (8, 2, 4096)):
+        sc = Scene(g, rng, [400, 130], Hkv, 256)
+        mma, wg = both(sc, rand_q(rng, 400, 256, Hq), np.zeros(400, np.int32), np.arange(400), {}, W)
+        assert (bits(wg) == bits(mma)).all(), f"Hq {Hq} Hkv {Hkv} W {W} differs"
+        sc.close()
+
+
+def test_attention_wg_launch_plan():
+    """layers.attention's launcher (no device): prompts (T > ATTN_SPLIT_ROWS) of the sliding layers (D = 256) go to the
+    wgmma tile on sm_90 only, with the mma.sync tile's grid, ATTN_WG_THREADS threads and attention_smem(256, 4, wg=True)
+    bytes, which equal the kernel file's layout (Q and WNS stages of K and V, P, maxima, sums, lo / hi / seq, 2 WNS
+    mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG = None keep
+    attention.cu's kernels."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = "".join(open(os.path.join(here, "kernels_ptx", f)).read() for f in ("attention_tile.cuh", "attention_sm90a.cu"))
+    d = {}
+    for name, expr in re.findall(r"^#define (W[A-Z_]+|CHUNK)\s+((?:(?!//)[^\n])+?)\s*(?://.*)?$", src, re.M):
+        d[name] = int(eval(expr.replace("/", "//"), {}, dict(d)))
+    assert A.ATTN_WG_STAGES == d["WNS"] and A.ATTN_WG_THREADS == d["WNT"] + d["WLT"], d
+    smem = ((1 + 2 * d["WNS"]) * d["WTILE"] + d["WROWS"] * d["WPROW"] + (2 + 4) * d["WROWS"] * 4
+            + 3 * d["WROWS"] * 4 + 2 * d["WNS"] * 8)
+    assert A.attention_smem(256, 4, wg=True) == smem <= 227 * 1024, smem
+    assert d["WNT"] * d["WREG_COMPUTE"] + d["WLT"] * d["WREG_LOAD"] <= 65536     # setmaxnreg's budgets fit the SM
+
+    def plan(T, D=256, Hq=16, Hkv=8, capability=(9, 0)):
+        lg = _LaunchLog(capability)
+        arr = lambda shape, dt: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=1024, size=math.prod(shape))
+        q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), BF)
+        rs, tab, out = arr((T,), np.int32), arr((1, 4), np.int32), arr((T, Hq * D), BF)
+        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32))
+        return lg.launches, lg.blocks
+
+    for T in (65, 100, 2048):
+        launches, blocks = plan(T)
+        assert launches == [("attention_sm90a.attn_fused_wg_bf16_d256", (-(-T // 32), 8, 1), smem, None)], launches
+        assert blocks == [(A.ATTN_WG_THREADS, 1, 1)]
+        launches, blocks = plan(T, capability=(8, 9))
+        assert launches == [("attention.attn_fused_bf16_d256", (-(-T // 32), 8, 1), A.attention_smem(256, 4), None)]
+        assert blocks == [(512, 1, 1)]
+    assert plan(2048, D=512, Hkv=2)[0][0][0] == "attention.attn_fused_bf16_d512"
+    assert [f for f, *_ in plan(64)[0]] == ["attention.attn_split_bf16_d256", "attention.attn_combine_bf16"]
+    try:
+        A.ATTN_FUSED_WG, saved = None, A.ATTN_FUSED_WG
+        assert plan(2048)[0][0][0] == "attention.attn_fused_bf16_d256"
+    finally:
+        A.ATTN_FUSED_WG = saved
+
+
 # ====================================================================================================
 # === bench.py: server-level figures, the transformers peer, kernel tables (CPU) ===
 # ====================================================================================================
@@ -6159,7 +6239,7 @@ class _LaunchLog:
     declared FLOPs): the prefill tile choice, checked without a device."""
 
     def __init__(self, capability=(9, 0), sm_count=132):
-        self.capability, self.sm_count, self.launches, self.args = capability, sm_count, [], []
+        self.capability, self.sm_count, self.launches, self.args, self.blocks = capability, sm_count, [], [], []
 
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
@@ -6167,6 +6247,7 @@ class _LaunchLog:
     def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False, flops=None):
         self.launches.append((f, tuple(grid), shared, flops))
         self.args.append(list(args))
+        self.blocks.append(tuple(block))
 
 
 def _fake_linear(fmt, n, k):

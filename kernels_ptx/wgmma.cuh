@@ -54,19 +54,22 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 // d (64 x N tile of the warpgroup, fp32, N / 2 per thread) += A (64 x 16, registers) * B (16 x N, shared at desc).
 // Defined for N = 8, 16, .., 64 (the expert kernels run a tile's tokens rounded up to 8) and 128. Lane l of warp w
 // of the warpgroup holds d[4n + i] = row 16 w + l / 4 (+ 8 for i >= 2), column 8n + 2 (l % 4) + (i & 1), whatever N.
+// TB = 1 (N = 128 only): B is MN-major in shared memory (the attention's V: 8 N values contiguous a core-matrix row).
 // One macro line per N: inline-asm operand lists are literal, so each names its N / 2 accumulators (%0 ..), then A's
 // four registers and the descriptor that follow them.
-template <int N> __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
+template <int N, int TB = 0>
+__device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
 #define WG_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
-#define WGMMA_BF16(N, D_REGS, A_DESC, ...)                                                                             \
-    template <> __device__ __forceinline__ void wgmma_n<N>(float (&d)[N / 2], const uint32_t (&a)[4],                  \
-                                                           uint64_t desc) {                                            \
+#define WGMMA_BF16_TB(N, TB, D_REGS, A_DESC, ...)                                                                      \
+    template <> __device__ __forceinline__ void wgmma_n<N, TB>(float (&d)[N / 2], const uint32_t (&a)[4],              \
+                                                               uint64_t desc) {                                        \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                        \
                      "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" D_REGS "}, " A_DESC                  \
-                     ", p, 1, 1, 0;\n}\n"                                                                              \
+                     ", p, 1, 1, " #TB ";\n}\n"                                                                        \
                      : __VA_ARGS__                                                                                     \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                         \
     }
+#define WGMMA_BF16(N, ...) WGMMA_BF16_TB(N, 0, __VA_ARGS__)
 WGMMA_BF16(8, "%0,%1,%2,%3", "{%4,%5,%6,%7}, %8", WG_D4(0))
 WGMMA_BF16(16, "%0,%1,%2,%3,%4,%5,%6,%7", "{%8,%9,%10,%11}, %12", WG_D4(0), WG_D4(4))
 WGMMA_BF16(24, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11", "{%12,%13,%14,%15}, %16", WG_D4(0), WG_D4(4), WG_D4(8))
@@ -79,13 +82,32 @@ WGMMA_BF16(48, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%1
 WGMMA_BF16(56, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
                "%26,%27", "{%28,%29,%30,%31}, %32", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20),
                WG_D4(24))
-WGMMA_BF16(64, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
-               "%26,%27,%28,%29,%30,%31", "{%32,%33,%34,%35}, %36", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12),
-               WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28))
-WGMMA_BF16(128, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
-                "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,"
-                "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63", "{%64,%65,%66,%67}, %68", WG_D4(0),
-                WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28), WG_D4(32), WG_D4(36),
-                WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60))
+#define WG_N64 /* N = 64's operands */ "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
+               "%26,%27,%28,%29,%30,%31", "{%32,%33,%34,%35}, %36", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), \
+               WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28)
+#define WGMMA_TB1(N, ...) WGMMA_BF16_TB(N, 1, __VA_ARGS__)
+WGMMA_BF16(64, WG_N64)
+#define WG_N128 /* N = 128's operands */ "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
+                "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49," \
+                "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63", "{%64,%65,%66,%67}, %68", WG_D4(0), \
+                WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28), WG_D4(32), WG_D4(36), \
+                WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
+WGMMA_BF16(128, WG_N128)
+WGMMA_TB1(128, WG_N128)
 #undef WGMMA_BF16
+#undef WGMMA_BF16_TB
+#undef WGMMA_TB1
+#undef WG_N64
+#undef WG_N128
 #undef WG_D4
+
+// d (64 x 32, fp32, 16 per thread, wgmma_n's layout) += A (64 x 16, shared at desc_a, K-major) * B (16 x 32, shared at
+// desc_b, K-major): both operands from shared memory (the attention's S = Q K^T).
+__device__ __forceinline__ void wgmma_ss32(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
+                 "%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(desc_a), "l"(desc_b));
+}

@@ -86,6 +86,12 @@ ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates wh
 ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
 ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
 ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA by D (FMT in attention.cu)
+# The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs, D = 256: the sliding layers), the
+# same bytes as attn_fused_bf16_d256; None: the mma.sync tile everywhere. H200, 2026-11-30, 2,048-token sliding
+# prefill (graph-replayed): 255.4 -> 207.7 us.
+ATTN_FUSED_WG = "attn_fused_wg_bf16_d256"
+ATTN_WG_STAGES = 2                 # K / V stages of that tile (WNS in attention_sm90a.cu)
+ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
 ATTN_SPLIT_CTAS = 512              # split grids aim at ~this many CTAs (2 per SM fit, 2 waves): split_z
@@ -208,10 +214,15 @@ def attention_work(g, rows, Hq, D, max_keys):
     return g.empty((rows * Hq * attention_slots(max_keys) * (D + 2) + 4,), np.float32)
 
 
-def attention_smem(D, MT):
+def attention_smem(D, MT, wg=False):
     """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
-    attention.cu): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row max / sum,
-    per-position lo / hi / seq."""
+    attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
+    max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q and ATTN_WG_STAGES stages of K and V (64
+    rows of 2D bytes, swizzled), P, row maxima of 2 warpgroups and sums of 4 key groups, lo / hi / seq, and the
+    stages' full / empty mbarriers."""
+    if wg:
+        return ((1 + 2 * ATTN_WG_STAGES) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4
+                + 2 * ATTN_WG_STAGES * 8)
     return ((2 * ATTN_CHUNK + 16 * MT) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
 
@@ -235,7 +246,8 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
       T > ATTN_SPLIT_ROWS (prefill): attn_fused_bf16_d{D} grid (ceil(T / (16 mt // G)), Hkv), block mt D / 2
         (mt = ATTN_FUSED_MT[D]): a CTA per (16 mt // G positions, kv head) folds the chunks in registers; no
-        scratch (work unused)."""
+        scratch (work unused). On sm_90 at D = 256 its wgmma form ATTN_FUSED_WG (the same grid and bytes, block
+        ATTN_WG_THREADS: two compute warpgroups and a loader)."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -268,9 +280,10 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if T > ATTN_SPLIT_ROWS:
         mt = ATTN_FUSED_MT[D]
         rp = 16 * mt // G                                # positions per fused tile (mt m16 tiles of rows)
-        g.launch(mod.function(f"attn_fused_bf16_d{D}"), grid=((T + rp - 1) // rp, Hkv, 1),
-                 block=(mt * D // 2, 1, 1), args=common + [0, T, Hq, Hkv, slots, None, None, out],
-                 shared=attention_smem(D, mt))
+        wg = ATTN_FUSED_WG is not None and D == 256 and g.capability == (9, 0)
+        f = g.module("attention_sm90a").function(ATTN_FUSED_WG) if wg else mod.function(f"attn_fused_bf16_d{D}")
+        g.launch(f, grid=((T + rp - 1) // rp, Hkv, 1), block=(ATTN_WG_THREADS if wg else mt * D // 2, 1, 1),
+                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, mt, wg))
         return
     own = work is None
     if own:

@@ -1,0 +1,343 @@
+// The fused prefill attention of the sliding layers (head_dim 256) on wgmma (sm_90a): attn_fused_wg_bf16_d256, the
+// bytes of attention.cu's attn_fused_bf16_d256 (its header states the arithmetic) at a higher rate: 2,048-token
+// sliding prefill 255.4 -> 207.7 us on the H200 (2026-11-30, BENCHMARKS.md fifteenth session).
+//
+// Same tile, other work split. A CTA takes 64 query rows (RP = 64 / G positions of one kv head, as the mma.sync tile
+// with MT = 4) and walks the same chunks in the same passes. Warpgroups 0 and 1 compute, warpgroup 2 loads:
+//   - S = Q K^T: compute warpgroup j takes the 64 rows x keys 32 j .. 32 j + 31 of the chunk (m64n32k16, d ascending
+//     16 a step, both operands from shared memory), i.e. the key groups 2 j, 2 j + 1 of the mma.sync tile's 16-key
+//     warps. Chunk c + 1's S is issued before chunk c's fold, so the two overlap.
+//   - P.V: warpgroup j takes the 64 rows x columns 128 j .. 128 j + 127 over all 64 keys (m64n128k16, keys ascending
+//     16 a step, P from registers, V transposed (MN-major) from shared memory).
+//   - the loader (128 threads, setmaxnreg: 56 registers a thread, the compute threads 224) copies Q once, then each
+//     chunk's K and V (cp.async, zero fill for keys outside the pass's range, as the mma.sync tile) into one of WNS
+//     stages, handed over by mbarriers (full: landed and fenced for the tensor cores; empty: both warpgroups done).
+// Why the bits are the mma.sync tile's:
+//   - each 16-wide k step of a wgmma computes what mma.sync m16n8k16 computes from the same operands (measured before
+//     the first wgmma kernel: linear_sm90a.cu's header; A from shared memory and the transposed B here too: every byte
+//     equal, test_gpu_attention_wg_matches_mma), and every product chain runs the same steps in the same order from
+//     zeroed registers;
+//   - the row sum of p keeps the mma.sync tile's order: per 16-key group, the lane's two 8-key n-tiles in order, the
+//     quad butterfly, then the groups 0 .. 3 in order (a warpgroup writes its two groups' partials apart);
+//   - max, the masks, exp, bf16(p), the fold and the final division are the same code (attention_tile.cuh).
+// Shared memory: Q and WNS stages of K and V, each [D/64][64 rows][128 B] with the 16-byte pieces of a row's 128 bytes
+// XOR-swizzled by row % 8 (wgmma's 128-byte swizzle; a loader warp copies one 512-byte row, whole lines both sides: the
+// unswizzled core-matrix layout split every copy into 32-byte requests and ran at 316 us), P as [64 rows][144 B]
+// (ldmatrix), row maxima [2][64], row sum partials [4][64], per position lo, hi, seq, and the 2 WNS mbarriers:
+// 175,392 bytes (layers/attention.py attention_smem(256, 4, wg=True)); the base must be 1024-byte aligned.
+#include "pdl.cuh"
+#include "attention_tile.cuh"
+#include "wgmma.cuh"
+
+#define WD 256                                  // head_dim
+#define WROWS 64                                // query rows per CTA (one wgmma M)
+#define WNT 256                                 // threads: 2 warpgroups
+#define WPPR (WD / 8)                           // 16-byte pieces per row
+#define WATOM (WROWS * 128)                     // bytes of 64 d values of a K / V / Q tile: 64 rows x 128 B
+#define WTILE (WD / 64 * WATOM)                 // bytes of a K / V / Q tile
+#define WPROW (2 * CHUNK + 16)                  // bytes per P row
+#define WNS 2                                   // K / V stages
+#define WLT 128                                 // loader threads: warpgroup 2, after the 2 compute warpgroups
+#define WREG_LOAD 56                            // registers a thread (setmaxnreg): the loader gives, the compute takes
+#define WREG_COMPUTE 224
+__device__ __forceinline__ uint32_t wg_full(uint32_t bars, int st) { return bars + 8 * st; }
+__device__ __forceinline__ uint32_t wg_empty(uint32_t bars, int st) { return bars + 8 * (WNS + st); }
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading / stride byte
+// offsets (16-byte units). Q and K (K-major): stride 1024 (the next 8 rows), leading unused (16); a k step of 16 d
+// starts 32 bytes on inside a 64-d atom. V (MN-major, transposed B): leading WATOM (the next 64 columns), stride 1024
+// (the next 8 keys); the other assignment gave other bytes (H200, 2026-11-30).
+__device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
+           (1ull << 62);
+}
+
+// piece i of a 64-row x D tile: row i / 32, 16-byte piece i % 32 (a warp one row: 512 contiguous bytes), stored at
+// [piece / 8][row][128 B] with the 8 pieces of a row's 128 bytes XOR-swizzled by row % 8 (the wgmma 128-byte swizzle
+// of a 1024-byte aligned atom of 8 rows)
+__device__ __forceinline__ uint32_t wg_dst(int i) {
+    const int row = i >> 5, pc = i & 31;
+    return (pc >> 3) * WATOM + row * 128 + (((pc & 7) ^ (row & 7)) << 4);
+}
+
+// The passes of a tile (as attn_tile): the sequence of the first position not done and its key range [kmin, kmax];
+// false when every position is done. The loader and the compute warps walk the same passes and chunks.
+__device__ __forceinline__ bool wg_next_pass(unsigned long long& done, const int* p_seq, const int* p_lo,
+                                             const int* p_hi, int RP, int& seq, int& kmin, int& kmax) {
+    seq = -1;
+    for (int i = 0; i < RP; i++)
+        if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
+    if (seq < 0) return false;
+    kmin = 0x7fffffff; kmax = -1;
+    for (int i = 0; i < RP; i++)
+        if (p_seq[i] == seq) {
+            done |= 1ull << i;
+            kmin = min(kmin, p_lo[i]);
+            kmax = max(kmax, p_hi[i]);
+        }
+    return true;
+}
+
+// The loader warps: Q once, then every chunk's K and V into stage m % WNS (m counts the tile's chunks over its
+// passes) once the compute warps have freed it (empty), handed over (full) once landed and fenced for the tensor
+// cores. (The compute warps wait for chunk m + 1 before they free chunk m, so the loader must not hold chunk m back
+// until m + 1 is issued.)
+__device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
+                                        const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ block_tables,
+                                        int max_blocks, int row0, int lr0, int Hq, int Hkv, int G, int RP,
+                                        const int* p_lo, const int* p_hi, const int* p_seq, uint8_t* Qs, uint8_t* Ks,
+                                        uint8_t* Vs, uint32_t bars) {
+    const int lt = threadIdx.x - WNT, kvh = blockIdx.y;
+    const size_t HD = (size_t)Hkv * WD;
+#pragma unroll 4
+    for (int it = 0; it < WROWS * WPPR / WLT; it++) {         // Q: row m = position pi * G + hl; unused rows 0
+        const int idx = lt + it * WLT, m = idx >> 5, pc = idx & 31, pi = m / G;
+        const bool ok = m < RP * G && p_seq[pi] >= 0;
+        const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * WD + 8 * pc : q;
+        cp_async16(Qs + wg_dst(idx), src, ok);
+    }
+    uint32_t m = 0;
+    unsigned long long done = 0;
+    int seq, kmin, kmax;
+    while (wg_next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
+        const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
+        for (int c = kmin / CHUNK; c <= kmax / CHUNK; c++, m++) {
+            const int st = m % WNS;
+            if (m >= WNS) mbar_wait(wg_empty(bars, st), ((m / WNS) & 1) ^ 1);
+            uint8_t* kd = Ks + st * WTILE;
+            uint8_t* vd = Vs + st * WTILE;
+#pragma unroll 4
+            for (int it = 0; it < CHUNK * WPPR / WLT; it++) {   // keys outside [kmin, kmax]: zeros, not read
+                const int idx = lt + it * WLT, kk = idx >> 5, pc = idx & 31, jj = c * CHUNK + kk;
+                const bool ok = jj >= kmin && jj <= kmax;
+                size_t off = 0;
+                if (ok) off = ((size_t)bt[jj / KV_BLOCK] * KV_BLOCK + jj % KV_BLOCK) * HD + (size_t)kvh * WD + 8 * pc;
+                cp_async16(kd + wg_dst(idx), k_pool + off, ok);
+                cp_async16(vd + wg_dst(idx), v_pool + off, ok);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();                                 // landed: hand it over
+            fence_proxy_async();
+            mbar_arrive(wg_full(bars, st));
+        }
+    }
+    cp_async_wait<0>();                                         // (Q alone, when the tile has no chunk)
+}
+
+__device__ __forceinline__ void wg_tile(ATTN_ARGS) {
+    extern __shared__ __align__(1024) uint8_t smem[];          // (the swizzle needs 1024-byte aligned atoms)
+    uint8_t* Qs = smem;                                        // [D/8][64 rows][16 B]
+    uint8_t* Ks = Qs + WTILE;                             // WNS stages of [D/8][64 keys][16 B]
+    uint8_t* Vs = Ks + WNS * WTILE;                       // WNS stages, the same layout
+    uint8_t* Ps = Vs + WNS * WTILE;                       // [64 rows][WPROW]
+    float* red_max = reinterpret_cast<float*>(Ps + WROWS * WPROW);   // [2 warpgroups][64 rows]
+    float* red_sum = red_max + 2 * WROWS;                      // [4 key groups][64 rows]
+    int* p_lo = reinterpret_cast<int*>(red_sum + 4 * WROWS);   // [64] per position of the tile
+    int* p_hi = p_lo + WROWS;
+    int* p_seq = p_hi + WROWS;                                 // -1: past the launch's rows
+    const uint32_t bars = smem_u32(p_seq + WROWS);             // full[WNS], empty[WNS] (8 bytes each)
+
+    if (threadIdx.x == 0 && (smem_u32(smem) & 1023)) __trap();   // loudly: the swizzle would read other bytes
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int j = warp >> 2, w = warp & 3, g = lane >> 2, qd = lane & 3;
+    const int G = Hq / Hkv, kvh = blockIdx.y, RP = WROWS / G;
+    const int lr0 = (int)(gridDim.x - 1 - blockIdx.x) * RP;   // the last tiles (the most chunks) first
+    const float NEG = -__int_as_float(0x7f800000);
+
+    if (tid < RP) {
+        const int lr = lr0 + tid;
+        int lo = 0, hi = -1, s = -1;
+        if (lr < nrows) {
+            key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
+            s = rows_seq[row0 + lr];
+        }
+        p_lo[tid] = lo;
+        p_hi[tid] = hi;
+        p_seq[tid] = s;
+    }
+    if (tid < WNS) {
+        mbar_init(wg_full(bars, tid), WLT);                    // full: the loader's threads
+        mbar_init(wg_empty(bars, tid), WNT / 32);              // empty: the 8 compute warps
+    }
+    __syncthreads();
+    if (tid >= WNT) {
+        regs_dec<WREG_LOAD>();
+        wg_load(q, k_pool, v_pool, block_tables, max_blocks, row0, lr0, Hq, Hkv, G, RP, p_lo, p_hi, p_seq, Qs, Ks,
+                Vs, bars);
+        return;
+    }
+
+    regs_inc<WREG_COMPUTE>();
+    int rpi[2], rh[2];                                         // this lane's rows 16 w + g (+ 8)
+    bool rok[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const int m = 16 * w + g + 8 * rr;
+        rok[rr] = m < RP * G && p_seq[m / G] >= 0;
+        rpi[rr] = rok[rr] ? m / G : 0;
+        rh[rr] = kvh * G + m % G;
+    }
+    float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};
+    float A[64];                                               // A[4n + i]: row (i >= 2), column 128 j + 8n + 2qd + (i & 1)
+#pragma unroll
+    for (int i = 0; i < 64; i++) A[i] = 0.f;
+    const uint32_t ks_base = smem_u32(Ks), vs_base = smem_u32(Vs), qs_addr = smem_u32(Qs);
+
+    uint32_t m = 0;
+    unsigned long long done = 0;
+    int seq, kmin, kmax;
+    while (wg_next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
+        bool ract[2];
+        int rlo[2], rhi[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            ract[rr] = rok[rr] && p_seq[rpi[rr]] == seq;
+            rlo[rr] = p_lo[rpi[rr]];
+            rhi[rr] = p_hi[rpi[rr]];
+        }
+        const int cb = kmin / CHUNK, ce = kmax / CHUNK;
+        float s[16];
+        // S of chunk m (stage m % WNS, once landed): rows 0..63 x keys 32 j + 8n + 2qd (+1), n = 0..3; 16 steps of
+        // 16 d, committed as one group. Chunk c + 1's is issued before chunk c's fold (overlapping it).
+        auto issue_s = [&](uint32_t mm) {
+            mbar_wait(wg_full(bars, mm % WNS), (mm / WNS) & 1);   // K, V (and Q) landed
+            const uint32_t ka = ks_base + (mm % WNS) * WTILE;
+#pragma unroll
+            for (int i = 0; i < 16; i++) s[i] = 0.f;
+            wg_fence();
+            fence_acc(s);
+#pragma unroll
+            for (int ks = 0; ks < WD / 16; ks++)
+                wgmma_ss32(s, sw_desc(qs_addr + (ks >> 2) * WATOM + (ks & 3) * 32, 16, 1024),
+                           sw_desc(ka + (ks >> 2) * WATOM + (ks & 3) * 32 + 32 * j * 128, 16, 1024));
+            wg_commit();
+            fence_acc(s);
+        };
+        issue_s(m);
+        for (int c = cb; c <= ce; c++, m++) {
+            const int st = m % WNS;
+            const uint32_t vs_addr = vs_base + st * WTILE;
+            wg_wait<0>();                                       // S(c) done (nothing else is pending)
+            fence_acc(s);
+
+            // mask (select) and row max over this warpgroup's 32 keys
+            float mx[2] = {NEG, NEG};
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int rr = i >> 1, jj = c * CHUNK + 32 * j + 8 * n + 2 * qd + (i & 1);
+                    const bool v = ract[rr] && jj >= rlo[rr] && jj <= rhi[rr];
+                    s[4 * n + i] = v ? s[4 * n + i] : NEG;
+                    mx[rr] = fmaxf(mx[rr], s[4 * n + i]);
+                }
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+            }
+            if (qd == 0) {
+                red_max[j * WROWS + 16 * w + g] = mx[0];
+                red_max[j * WROWS + 16 * w + g + 8] = mx[1];
+            }
+            bar_sync<1, WNT>();                                 // both warpgroups' maxima visible
+
+            // --- m = max of the two; p = bf16(exp(s - m)) -> Ps; l partials per 16-key group (n-tiles 2h, 2h + 1) ---
+            float mrow[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++)
+                mrow[rr] = fmaxf(red_max[16 * w + g + 8 * rr], red_max[WROWS + 16 * w + g + 8 * rr]);
+            {
+                uint8_t* pw = Ps + (16 * w + g) * WPROW + 2 * (32 * j + 2 * qd);
+#pragma unroll
+                for (int rr = 0; rr < 2; rr++) {
+                    const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];
+                    float lsum[2] = {0.f, 0.f};
+#pragma unroll
+                    for (int n = 0; n < 4; n++) {
+                        const float p0 = exp_fixed(__fsub_rn(s[4 * n + 2 * rr], ms));
+                        const float p1 = exp_fixed(__fsub_rn(s[4 * n + 2 * rr + 1], ms));
+                        const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
+                        *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * WPROW + 16 * n) = pb;
+                        const float2 pf = __bfloat1622float2(pb);
+                        lsum[n >> 1] = __fadd_rn(lsum[n >> 1], __fadd_rn(pf.x, pf.y));
+                    }
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        lsum[h] = __fadd_rn(lsum[h], __shfl_xor_sync(0xffffffffu, lsum[h], 1));
+                        lsum[h] = __fadd_rn(lsum[h], __shfl_xor_sync(0xffffffffu, lsum[h], 2));
+                        if (qd == 0) red_sum[(2 * j + h) * WROWS + 16 * w + g + 8 * rr] = lsum[h];
+                    }
+                }
+            }
+            bar_sync<2, WNT>();                                 // P and the sums visible
+            float lrow[2];
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const int r = 16 * w + g + 8 * rr;
+                float v = red_sum[r];
+#pragma unroll
+                for (int h = 1; h < 4; h++) v = __fadd_rn(v, red_sum[h * WROWS + r]);
+                lrow[rr] = v;
+            }
+
+            // --- acc = P V: rows 0..63 x columns 128 j + 8n + 2qd (+1), n = 0..15; 4 steps of 16 keys ---
+            float o[64];
+#pragma unroll
+            for (int i = 0; i < 64; i++) o[i] = 0.f;
+            {
+                const uint8_t* pa = Ps + (16 * w + (lane & 15)) * WPROW + 16 * (lane >> 4);
+                uint32_t a[CHUNK / 16][4];
+#pragma unroll
+                for (int ks = 0; ks < CHUNK / 16; ks++) ldsm_x4(a[ks], pa + 32 * ks);
+                wg_fence();
+                fence_acc(o);
+#pragma unroll
+                for (int ks = 0; ks < CHUNK / 16; ks++)
+                    wgmma_n<128, 1>(o, a[ks], sw_desc(vs_addr + 2 * j * WATOM + 16 * ks * 128, WATOM, 1024));
+                wg_commit();
+                fence_acc(o);
+            }
+            if (c < ce) {
+                issue_s(m + 1);
+                wg_wait<1>();                                   // P.V(c) done (S(c + 1) may run on)
+            } else {
+                wg_wait<0>();
+            }
+            fence_acc(o);
+            if (lane == 0) mbar_arrive(wg_empty(bars, st));     // this warp is done with stage st
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {                    // fold into the running state
+                if (!(ract[rr] && c >= rlo[rr] / CHUNK && c <= rhi[rr] / CHUNK)) continue;
+                const FoldW fw = fold_weights(M[rr], L[rr], mrow[rr], lrow[rr]);
+#pragma unroll
+                for (int n = 0; n < 16; n++) {
+                    A[4 * n + 2 * rr] = fold_acc(A[4 * n + 2 * rr], o[4 * n + 2 * rr], fw);
+                    A[4 * n + 2 * rr + 1] = fold_acc(A[4 * n + 2 * rr + 1], o[4 * n + 2 * rr + 1], fw);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {                            // out = A / L (NaN: more chunks than max_slots)
+        if (!rok[rr]) continue;
+        const int pi = rpi[rr];
+        const bool bad = p_hi[pi] / CHUNK - p_lo[pi] / CHUNK + 1 > max_slots;
+        __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * WD + 128 * j + 2 * qd;
+#pragma unroll
+        for (int n = 0; n < 16; n++) {
+            __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(A[4 * n + 2 * rr], L[rr]),
+                                                     __fdiv_rn(A[4 * n + 2 * rr + 1], L[rr]));
+            if (bad) v = __halves2bfloat162(__ushort_as_bfloat16((unsigned short)0x7fc0),
+                                            __ushort_as_bfloat16((unsigned short)0x7fc0));
+            *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = v;
+        }
+    }
+}
+
+// attn_fused_wg_bf16_d256: attn_fused_bf16_d256's grid and arguments, block WNT + WLT (384), dynamic smem above.
+extern "C" __global__ void __launch_bounds__(WNT + WLT, 1) attn_fused_wg_bf16_d256(ATTN_ARGS) {
+    pdl_entry();
+    wg_tile(ATTN_PASS);
+}
