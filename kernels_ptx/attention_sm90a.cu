@@ -60,24 +60,6 @@ __device__ __forceinline__ uint32_t wg_dst(int i) {
     return (pc >> 3) * WATOM + row * 128 + (((pc & 7) ^ (row & 7)) << 4);
 }
 
-// The passes of a tile (as attn_tile): the sequence of the first position not done and its key range [kmin, kmax];
-// false when every position is done. The loader and the compute warps walk the same passes and chunks.
-__device__ __forceinline__ bool wg_next_pass(unsigned long long& done, const int* p_seq, const int* p_lo,
-                                             const int* p_hi, int RP, int& seq, int& kmin, int& kmax) {
-    seq = -1;
-    for (int i = 0; i < RP; i++)
-        if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
-    if (seq < 0) return false;
-    kmin = 0x7fffffff; kmax = -1;
-    for (int i = 0; i < RP; i++)
-        if (p_seq[i] == seq) {
-            done |= 1ull << i;
-            kmin = min(kmin, p_lo[i]);
-            kmax = max(kmax, p_hi[i]);
-        }
-    return true;
-}
-
 // The loader warps: Q once, then every chunk's K and V into stage m % WNS (m counts the tile's chunks over its
 // passes) once the compute warps have freed it (empty), handed over (full) once landed and fenced for the tensor
 // cores. (The compute warps wait for chunk m + 1 before they free chunk m, so the loader must not hold chunk m back
@@ -99,7 +81,7 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
     uint32_t m = 0;
     unsigned long long done = 0;
     int seq, kmin, kmax;
-    while (wg_next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
+    while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
         for (int c = kmin / CHUNK; c <= kmax / CHUNK; c++, m++) {
             const int st = m % WNS;
@@ -144,17 +126,8 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     const int lr0 = (int)(gridDim.x - 1 - blockIdx.x) * RP;   // the last tiles (the most chunks) first
     const float NEG = -__int_as_float(0x7f800000);
 
-    if (tid < RP) {
-        const int lr = lr0 + tid;
-        int lo = 0, hi = -1, s = -1;
-        if (lr < nrows) {
-            key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
-            s = rows_seq[row0 + lr];
-        }
-        p_lo[tid] = lo;
-        p_hi[tid] = hi;
-        p_seq[tid] = s;
-    }
+    if (tid < RP) tile_position(tid, lr0, row0, nrows, rows_seq, rows_pos, spans, n_spans, window, sliding, p_lo, p_hi,
+                                p_seq);
     if (tid < WNS) {
         mbar_init(wg_full(bars, tid), WLT);                    // full: the loader's threads
         mbar_init(wg_empty(bars, tid), WNT / 32);              // empty: the 8 compute warps
@@ -171,12 +144,7 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     int rpi[2], rh[2];                                         // this lane's rows 16 w + g (+ 8)
     bool rok[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        const int m = 16 * w + g + 8 * rr;
-        rok[rr] = m < RP * G && p_seq[m / G] >= 0;
-        rpi[rr] = rok[rr] ? m / G : 0;
-        rh[rr] = kvh * G + m % G;
-    }
+    for (int rr = 0; rr < 2; rr++) tile_row(16 * w + g + 8 * rr, RP, G, kvh, p_seq, rok[rr], rpi[rr], rh[rr]);
     float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};
     float A[64];                                               // A[4n + i]: row (i >= 2), column 128 j + 8n + 2qd + (i & 1)
 #pragma unroll
@@ -186,7 +154,7 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     uint32_t m = 0;
     unsigned long long done = 0;
     int seq, kmin, kmax;
-    while (wg_next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
+    while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         bool ract[2];
         int rlo[2], rhi[2];
 #pragma unroll

@@ -30,6 +30,48 @@ __device__ __forceinline__ void key_range(int r, const int* __restrict__ rows_se
 }
 
 
+// The per-position state of a tile (positions i < RP: launch rows row0 + lr0 + i), written by threads tid < RP: the
+// key range [lo, hi] and the sequence (-1: past the launch's rows, lo 0, hi -1).
+__device__ __forceinline__ void tile_position(int tid, int lr0, int row0, int nrows, const int* __restrict__ rows_seq,
+                                              const int* __restrict__ rows_pos, const int* __restrict__ spans,
+                                              int n_spans, int window, int sliding, int* p_lo, int* p_hi, int* p_seq) {
+    const int lr = lr0 + tid;
+    int lo = 0, hi = -1, s = -1;
+    if (lr < nrows) {
+        key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
+        s = rows_seq[row0 + lr];
+    }
+    p_lo[tid] = lo;
+    p_hi[tid] = hi;
+    p_seq[tid] = s;
+}
+
+// Tile row m = position index pi * G + head-in-group: usable (a position of the launch), position index, head.
+__device__ __forceinline__ void tile_row(int m, int RP, int G, int kvh, const int* p_seq, bool& ok, int& pi, int& h) {
+    ok = m < RP * G && p_seq[m / G] >= 0;
+    pi = ok ? m / G : 0;
+    h = kvh * G + m % G;
+}
+
+// The next pass of a tile: the sequence of the first position not done, every position of it marked done, and the
+// keys some row of the pass may see, [kmin, kmax]; false once every position is done (CTA-uniform).
+__device__ __forceinline__ bool next_pass(unsigned long long& done, const int* p_seq, const int* p_lo, const int* p_hi,
+                                          int RP, int& seq, int& kmin, int& kmax) {
+    seq = -1;
+    for (int i = 0; i < RP; i++)
+        if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
+    if (seq < 0) return false;
+    kmin = 0x7fffffff;
+    kmax = -1;
+    for (int i = 0; i < RP; i++)
+        if (p_seq[i] == seq) {
+            done |= 1ull << i;
+            kmin = min(kmin, p_lo[i]);
+            kmax = max(kmax, p_hi[i]);
+        }
+    return true;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Attention on the tensor cores.
 //
@@ -167,17 +209,8 @@ __device__ __forceinline__ void attn_tile(
     const size_t HD = (size_t)Hkv * D;
     const float NEG = -__int_as_float(0x7f800000);
 
-    if (tid < RP) {
-        const int lr = lr0 + tid;
-        int lo = 0, hi = -1, s = -1;
-        if (lr < nrows) {
-            key_range(row0 + lr, rows_seq, rows_pos, spans, n_spans, window, sliding, lo, hi);
-            s = rows_seq[row0 + lr];
-        }
-        p_lo[tid] = lo;
-        p_hi[tid] = hi;
-        p_seq[tid] = s;
-    }
+    if (tid < RP) tile_position(tid, lr0, row0, nrows, rows_seq, rows_pos, spans, n_spans, window, sliding, p_lo, p_hi,
+                                p_seq);
     __syncthreads();
 
     // split: slots z0, z0 + zstep, ... of the one position (CTA-uniform exit when it has fewer chunks)
@@ -188,12 +221,7 @@ __device__ __forceinline__ void attn_tile(
     int rpi[2], rh[2];
     bool rok[2];
 #pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        const int m = 16 * mt + g + 8 * rr;
-        rok[rr] = m < RP * G && p_seq[m / G] >= 0;
-        rpi[rr] = rok[rr] ? m / G : 0;
-        rh[rr] = kvh * G + m % G;
-    }
+    for (int rr = 0; rr < 2; rr++) tile_row(16 * mt + g + 8 * rr, RP, G, kvh, p_seq, rok[rr], rpi[rr], rh[rr]);
 
     float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};                 // fused: running fold per row
     float A[8][4];
@@ -224,19 +252,8 @@ __device__ __forceinline__ void attn_tile(
     };
 
     unsigned long long done = 0;                                // positions whose pass has run
-    for (;;) {
-        // the pass: the sequence of the first position not done, all positions of it (CTA-uniform)
-        int seq = -1;
-        for (int i = 0; i < RP; i++)
-            if (!((done >> i) & 1ull) && p_seq[i] >= 0) { seq = p_seq[i]; break; }
-        if (seq < 0) break;
-        int kmin = 0x7fffffff, kmax = -1;                       // keys some row of the pass may see
-        for (int i = 0; i < RP; i++)
-            if (p_seq[i] == seq) {
-                done |= 1ull << i;
-                kmin = min(kmin, p_lo[i]);
-                kmax = max(kmax, p_hi[i]);
-            }
+    int seq, kmin, kmax;
+    while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         const int* bt = block_tables + (size_t)seq * max_blocks;
         bool ract[2];
         int rlo[2], rhi[2];
