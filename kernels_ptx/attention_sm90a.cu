@@ -108,10 +108,10 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
 
 __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     extern __shared__ __align__(1024) uint8_t smem[];          // (the swizzle needs 1024-byte aligned atoms)
-    uint8_t* Qs = smem;                                        // [D/8][64 rows][16 B]
-    uint8_t* Ks = Qs + WTILE;                             // WNS stages of [D/8][64 keys][16 B]
-    uint8_t* Vs = Ks + WNS * WTILE;                       // WNS stages, the same layout
-    uint8_t* Ps = Vs + WNS * WTILE;                       // [64 rows][WPROW]
+    uint8_t* Qs = smem;                                        // [D/64][64 rows][128 B], swizzled (wg_dst)
+    uint8_t* Ks = Qs + WTILE;                                  // WNS stages, the same layout
+    uint8_t* Vs = Ks + WNS * WTILE;                            // WNS stages, the same layout
+    uint8_t* Ps = Vs + WNS * WTILE;                            // [64 rows][WPROW]
     float* red_max = reinterpret_cast<float*>(Ps + WROWS * WPROW);   // [2 warpgroups][64 rows]
     float* red_sum = red_max + 2 * WROWS;                      // [4 key groups][64 rows]
     int* p_lo = reinterpret_cast<int*>(red_sum + 4 * WROWS);   // [64] per position of the tile
@@ -157,12 +157,7 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         bool ract[2];
         int rlo[2], rhi[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            ract[rr] = rok[rr] && p_seq[rpi[rr]] == seq;
-            rlo[rr] = p_lo[rpi[rr]];
-            rhi[rr] = p_hi[rpi[rr]];
-        }
+        pass_rows(rok, rpi, seq, p_seq, p_lo, p_hi, ract, rlo, rhi);
         const int cb = kmin / CHUNK, ce = kmax / CHUNK;
         float s[16];
         // S of chunk m (stage m % WNS, once landed): rows 0..63 x keys 32 j + 8n + 2qd (+1), n = 0..3; 16 steps of

@@ -53,6 +53,17 @@ __device__ __forceinline__ void tile_row(int m, int RP, int G, int kvh, const in
     h = kvh * G + m % G;
 }
 
+// A lane's rows (ok, position index) in the pass of sequence seq: active (usable and of seq), key range [lo, hi].
+__device__ __forceinline__ void pass_rows(const bool (&ok)[2], const int (&pi)[2], int seq, const int* p_seq,
+                                          const int* p_lo, const int* p_hi, bool (&act)[2], int (&lo)[2], int (&hi)[2]) {
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        act[rr] = ok[rr] && p_seq[pi[rr]] == seq;
+        lo[rr] = p_lo[pi[rr]];
+        hi[rr] = p_hi[pi[rr]];
+    }
+}
+
 // The next pass of a tile: the sequence of the first position not done, every position of it marked done, and the
 // keys some row of the pass may see, [kmin, kmax]; false once every position is done (CTA-uniform).
 __device__ __forceinline__ bool next_pass(unsigned long long& done, const int* p_seq, const int* p_lo, const int* p_hi,
@@ -257,12 +268,7 @@ __device__ __forceinline__ void attn_tile(
         const int* bt = block_tables + (size_t)seq * max_blocks;
         bool ract[2];
         int rlo[2], rhi[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            ract[rr] = rok[rr] && p_seq[rpi[rr]] == seq;
-            rlo[rr] = p_lo[rpi[rr]];
-            rhi[rr] = p_hi[rpi[rr]];
-        }
+        pass_rows(rok, rpi, seq, p_seq, p_lo, p_hi, ract, rlo, rhi);
         const int cb = kmin / CHUNK + z0, cs = zstep;
         int ce = kmax / CHUNK;
         if (SPLIT) ce = min(ce, kmin / CHUNK + max_slots - 1);  // slots past the scratch: the combine NaNs the row
