@@ -146,7 +146,8 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) tile_row(16 * w + g + 8 * rr, RP, G, kvh, p_seq, rok[rr], rpi[rr], rh[rr]);
     float M[2] = {NEG, NEG}, L[2] = {0.f, 0.f};
-    float A[64];                                               // A[4n + i]: row (i >= 2), column 128 j + 8n + 2qd + (i & 1)
+    float A[64];                                               // A[4n + i]: row (+ 8 if i >= 2), column
+                                                               // 128 j + 8n + 2qd + (i & 1)
 #pragma unroll
     for (int i = 0; i < 64; i++) A[i] = 0.f;
     const uint32_t ks_base = smem_u32(Ks), vs_base = smem_u32(Vs), qs_addr = smem_u32(Qs);

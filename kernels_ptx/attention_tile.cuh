@@ -55,7 +55,8 @@ __device__ __forceinline__ void tile_row(int m, int RP, int G, int kvh, const in
 
 // A lane's rows (ok, position index) in the pass of sequence seq: active (usable and of seq), key range [lo, hi].
 __device__ __forceinline__ void pass_rows(const bool (&ok)[2], const int (&pi)[2], int seq, const int* p_seq,
-                                          const int* p_lo, const int* p_hi, bool (&act)[2], int (&lo)[2], int (&hi)[2]) {
+                                          const int* p_lo, const int* p_hi, bool (&act)[2], int (&lo)[2],
+                                          int (&hi)[2]) {
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         act[rr] = ok[rr] && p_seq[pi[rr]] == seq;

@@ -54,7 +54,7 @@ template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 // d (64 x N tile of the warpgroup, fp32, N / 2 per thread) += A (64 x 16, registers) * B (16 x N, shared at desc).
 // Defined for N = 8, 16, .., 64 (the expert kernels run a tile's tokens rounded up to 8) and 128. Lane l of warp w
 // of the warpgroup holds d[4n + i] = row 16 w + l / 4 (+ 8 for i >= 2), column 8n + 2 (l % 4) + (i & 1), whatever N.
-// TB = 1 (N = 128 only): B is MN-major in shared memory (the attention's V: 8 N values contiguous a core-matrix row).
+// TB = 1 (N = 128 only): B is MN-major (transposed) in shared memory: the attention's V, N (d) contiguous per key.
 // One macro line per N: inline-asm operand lists are literal, so each names its N / 2 accumulators (%0 ..), then A's
 // four registers and the descriptor that follow them.
 template <int N, int TB = 0>
@@ -82,22 +82,21 @@ WGMMA_BF16(48, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%1
 WGMMA_BF16(56, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
                "%26,%27", "{%28,%29,%30,%31}, %32", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20),
                WG_D4(24))
-#define WG_N64 /* N = 64's operands */ "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
-               "%26,%27,%28,%29,%30,%31", "{%32,%33,%34,%35}, %36", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), \
-               WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28)
+WGMMA_BF16(64, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
+               "%26,%27,%28,%29,%30,%31", "{%32,%33,%34,%35}, %36", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12),
+               WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28))
+#define WG_N128 /* N = 128's operands, for both B layouts */                                                        \
+    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,"  \
+        "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"    \
+        "%56,%57,%58,%59,%60,%61,%62,%63",                                                                             \
+        "{%64,%65,%66,%67}, %68", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24),         \
+        WG_D4(28), WG_D4(32), WG_D4(36), WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
 #define WGMMA_TB1(N, ...) WGMMA_BF16_TB(N, 1, __VA_ARGS__)
-WGMMA_BF16(64, WG_N64)
-#define WG_N128 /* N = 128's operands */ "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
-                "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49," \
-                "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63", "{%64,%65,%66,%67}, %68", WG_D4(0), \
-                WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28), WG_D4(32), WG_D4(36), \
-                WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
 WGMMA_BF16(128, WG_N128)
 WGMMA_TB1(128, WG_N128)
 #undef WGMMA_BF16
 #undef WGMMA_BF16_TB
 #undef WGMMA_TB1
-#undef WG_N64
 #undef WG_N128
 #undef WG_D4
 
