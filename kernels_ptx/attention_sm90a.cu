@@ -291,11 +291,8 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
         __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * WD + 128 * j + 2 * qd;
 #pragma unroll
         for (int n = 0; n < 16; n++) {
-            __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(A[4 * n + 2 * rr], L[rr]),
-                                                     __fdiv_rn(A[4 * n + 2 * rr + 1], L[rr]));
-            if (bad) v = __halves2bfloat162(__ushort_as_bfloat16((unsigned short)0x7fc0),
-                                            __ushort_as_bfloat16((unsigned short)0x7fc0));
-            *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = v;
+            *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) =
+                out_pair(A[4 * n + 2 * rr], A[4 * n + 2 * rr + 1], L[rr], bad);
         }
     }
 }

@@ -65,6 +65,14 @@ __device__ __forceinline__ void pass_rows(const bool (&ok)[2], const int (&pi)[2
     }
 }
 
+// Two output values of a row: bf16(a0 / l), bf16(a1 / l), or bf16 NaN when the row had more chunks than the scratch
+// (max_slots) allows.
+__device__ __forceinline__ __nv_bfloat162 out_pair(float a0, float a1, float l, bool bad) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(a0, l), __fdiv_rn(a1, l));
+    const __nv_bfloat16 nan = __ushort_as_bfloat16((unsigned short)0x7fc0);
+    return bad ? __halves2bfloat162(nan, nan) : v;
+}
+
 // The next pass of a tile: the sequence of the first position not done, every position of it marked done, and the
 // keys some row of the pass may see, [kmin, kmax]; false once every position is done (CTA-uniform).
 __device__ __forceinline__ bool next_pass(unsigned long long& done, const int* p_seq, const int* p_lo, const int* p_hi,
@@ -440,9 +448,7 @@ __device__ __forceinline__ void attn_tile(
             __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * D + 64 * wg + 2 * qd;
 #pragma unroll
             for (int n = 0; n < 8; n++) {
-                __nv_bfloat162 v = __floats2bfloat162_rn(__fdiv_rn(A[n][2 * rr], L[rr]), __fdiv_rn(A[n][2 * rr + 1], L[rr]));
-                if (bad) v = __halves2bfloat162(__ushort_as_bfloat16((unsigned short)0x7fc0), __ushort_as_bfloat16((unsigned short)0x7fc0));
-                *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = v;
+                *reinterpret_cast<__nv_bfloat162*>(op + 8 * n) = out_pair(A[n][2 * rr], A[n][2 * rr + 1], L[rr], bad);
             }
         }
     }
