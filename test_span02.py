@@ -3811,8 +3811,15 @@ def test_gpu_qkv_prep(g, geo):
             report(f"qkv_prep {geo} T={T} {name}", o.reshape(T, -1), r.reshape(T, -1))
         for a, b in zip(res[0], res[1]):
             assert (bits(a) == bits(b)).all(), "strided (fused) input differs from dense input"
-        if T == 300:
+        if T == 300:                                   # every row of the row kernel = the per-head kernel's
             full = (pos, qi, ki, vi, res[0])
+            head_max, A.QK_HEAD_MAX_T = A.QK_HEAD_MAX_T, T
+            try:
+                A.qkv_prep_gpu(g, *srcs[1], d_wq, d_wk, d_inv, dpos, EPS, *outs)
+            finally:
+                A.QK_HEAD_MAX_T = head_max
+            for name, a, o in zip("qkv", res[0], outs):
+                assert (bits(g.download(o)) == bits(a)).all(), f"{name}: the row kernel differs from the per-head one"
         for a in [dpos, dq, dk, dv, df] + outs:
             if a is not None:
                 g.free(a)
@@ -5484,6 +5491,35 @@ def test_gpu_attention_wg_matches_mma(g, monkeypatch):
         mma, wg = both(sc, rand_q(rng, 400, 256, Hq), np.zeros(400, np.int32), np.arange(400), {}, W)
         assert (bits(wg) == bits(mma)).all(), f"Hq {Hq} Hkv {Hkv} W {W} differs"
         sc.close()
+
+
+def test_qkv_prep_launch_plan():
+    """layers.attention.qkv_prep_gpu (no device): prompts (T > QK_HEAD_MAX_T, D <= 512) go to the row kernel, which
+    moves heads as 16-byte pieces, only when every input / output pointer is 16-byte aligned and every row stride a
+    multiple of 8 elements; otherwise (and for decode rows, D > 512) the per-(row, head) kernel, whose bytes are the
+    same (test_gpu_qkv_prep)."""
+    arr = lambda shape, dt, ptr=1024: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=ptr,
+                                                             size=math.prod(shape))
+
+    def plan(T, D=256, Hq=16, Hkv=8, q_off=0, stride_pad=0, pool_ptr=4096):
+        lg = _LaunchLog()
+        stride = (Hq + 2 * Hkv) * D + stride_pad
+        base = gpu.ptr(2048 + 2 * q_off)
+        src = [(base, stride), (gpu.ptr(base + 2 * Hq * D), stride), (gpu.ptr(base + 2 * (Hq + Hkv) * D), stride)]
+        pool = arr((64, 16, Hkv, D), BF, pool_ptr)
+        A.qkv_prep_gpu(lg, *src, arr((D,), BF), arr((D,), BF), arr((D // 2,), np.float32), arr((T,), np.int32), 1e-6,
+                       arr((T, Hq, D), BF), None, None, kv=(pool, pool, arr((T,), np.int32), arr((1, 4), np.int32)))
+        return [(f, grid) for f, grid, *_ in lg.launches], lg.blocks
+
+    rows = lambda T: ([("attention.qk_norm_rope_rows_bf16", (T, 1, 1))], [(256, 1, 1)])
+    per_head = lambda T, D=256, heads=32: ([("attention.qk_norm_rope_bf16", (T, heads, 1))], [(D // 2, 1, 1)])
+    assert plan(2048) == rows(2048)
+    assert plan(A.QK_HEAD_MAX_T) == per_head(A.QK_HEAD_MAX_T)
+    assert plan(2048, q_off=4) == per_head(2048)                 # q rows 8 bytes off a 16-byte boundary
+    assert plan(2048, stride_pad=4) == per_head(2048)            # a row stride of 4 (mod 8) elements
+    assert plan(2048, pool_ptr=4096 + 8) == per_head(2048)       # a misaligned pool
+    assert plan(2048, D=512, Hkv=2)[0][0][0] == "attention.qk_norm_rope_rows_bf16"
+    assert plan(2048, D=1024, Hq=4, Hkv=2) == per_head(2048, 1024, 8)
 
 
 def test_attention_wg_launch_plan():

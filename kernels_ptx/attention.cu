@@ -59,6 +59,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 //   qk_norm_rope_rows_bf16 (prefill): grid (T, ny), block 256; a CTA computes its row's D/2 cos / sin once into
 //     shared memory, then warp w of CTA y takes heads 8 y + w, 8 (y + ny) + w, ..; lane l owns pairs l + 32 j.
 //     D <= 512. (At 2,048 tokens 1,464 us against the per-head shape's 2,525: BENCHMARKS.md, twelfth session.)
+//     A head moves as 16-byte pieces (lane l: piece l, l + 32) through the warp's shared-memory row: loaded into
+//     registers one head ahead, stored there, computed on in place by the lanes' pairs, stored out as pieces.
+//     (Sixteenth session, 2,048 tokens: 47.3 -> 31.7 us sliding, 49.7 -> 37.1 full; the 2-byte accesses before
+//     cost ~51 instructions an element. Loading a warp's 4 heads at once: 34.5 / 39.4 us, 64 registers.)
+//     Needs 16-byte aligned head rows (row strides and pointers: the launcher checks, else the per-head kernel).
 // ---------------------------------------------------------------------------------------------------------
 #define QK_PARAMS                                                                                             \
     const __nv_bfloat16 *__restrict__ q_in, int q_stride, const __nv_bfloat16 *__restrict__ k_in, int k_stride, \
@@ -98,18 +103,26 @@ __device__ __forceinline__ size_t qk_slot(int t, int p, const int* __restrict__ 
     return (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
 }
 
-// Pair (i, i + D/2) of a head: normed by r, weighted (w >= 0: wv = its weights, then rotated by c, s), stored.
-__device__ __forceinline__ void qk_store(const QkHead& hd, int i, int half, float xa, float xb, float r, float wa,
-                                         float wb, float c, float s) {
+// Pair (i, i + D/2) of a head: normed by r, weighted (w >= 0: wv = its weights, then rotated by c, s), rounded.
+__device__ __forceinline__ void qk_pair(int w, float xa, float xb, float r, float wa, float wb, float c, float s,
+                                        __nv_bfloat16& ba, __nv_bfloat16& bb) {
     float ya = __fmul_rn(xa, r), yb = __fmul_rn(xb, r);
-    if (hd.w >= 0) {
+    if (w >= 0) {
         ya = __fmul_rn(ya, wa);
         yb = __fmul_rn(yb, wb);
         const float oa = __fsub_rn(__fmul_rn(ya, c), __fmul_rn(yb, s));
         const float ob = __fadd_rn(__fmul_rn(yb, c), __fmul_rn(ya, s));
         ya = oa; yb = ob;
     }
-    const __nv_bfloat16 ba = __float2bfloat16_rn(ya), bb = __float2bfloat16_rn(yb);
+    ba = __float2bfloat16_rn(ya);
+    bb = __float2bfloat16_rn(yb);
+}
+
+// The same, stored into the head's outputs.
+__device__ __forceinline__ void qk_store(const QkHead& hd, int i, int half, float xa, float xb, float r, float wa,
+                                         float wb, float c, float s) {
+    __nv_bfloat16 ba, bb;
+    qk_pair(hd.w, xa, xb, r, wa, wb, c, s, ba, bb);
     if (hd.dst) {
         hd.dst[i] = ba;
         hd.dst[i + half] = bb;
@@ -149,7 +162,8 @@ extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
 extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf16(QK_PARAMS) {
     __shared__ float cs[512];                        // cos of the D/2 angles, then their sin
     __shared__ float wqk[1024];                      // q_w, then k_w (fp32)
-    const int t = blockIdx.x, half = D >> 1, nj = D >> 6;
+    __shared__ __align__(16) __nv_bfloat16 rows[QK_WARPS][512];   // warp w's head: its input, then its output
+    const int t = blockIdx.x, half = D >> 1, nj = D >> 6, np = D >> 3;   // np: 16-byte pieces of a head
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {     // weights: nothing earlier kernels write
         wqk[i] = __bfloat162float(q_w[i]);
@@ -160,15 +174,12 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf
     pdl_entry();
     const int p = positions[t];
     const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
-    float xa[QK_MAXJ], xb[QK_MAXJ];
+    __nv_bfloat16* row = rows[warp];
+    uint4 v[2];                                      // the next head's pieces lane, lane + 32
     auto load = [&](const QkHead& hd) {
 #pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++) {
-            if (j < nj) {
-                xa[j] = __bfloat162float(hd.src[32 * j + lane]);
-                xb[j] = __bfloat162float(hd.src[half + 32 * j + lane]);
-            }
-        }
+        for (int c = 0; c < 2; c++)
+            if (lane + 32 * c < np) v[c] = *reinterpret_cast<const uint4*>(hd.src + 8 * (lane + 32 * c));
     };
     auto head = [&](int h) { return qk_head(t, h, slot, QK_PASS); };
     QkHead hd = head(hy < H ? hy : 0);
@@ -181,30 +192,46 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf
     }
     __syncthreads();
     while (hy < H) {
-        float tot = 0.f;
 #pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++)
-            if (j < nj) tot = __fadd_rn(tot, warp_sum(__fmaf_rn(xb[j], xb[j], __fmul_rn(xa[j], xa[j]))));
-        const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
-        float ya[QK_MAXJ], yb[QK_MAXJ];
-#pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++) {
-            ya[j] = xa[j];
-            yb[j] = xb[j];
-        }
+        for (int c = 0; c < 2; c++)
+            if (lane + 32 * c < np) reinterpret_cast<uint4*>(row)[lane + 32 * c] = v[c];
+        __syncwarp();
         const QkHead cur = hd;
         hy += step;
-        if (hy < H) {                                // the next head's loads fly while this one is stored
+        if (hy < H) {                                // the next head's loads fly while this one is computed
             hd = head(hy);
             load(hd);
         }
+        float tot = 0.f;
+#pragma unroll
+        for (int j = 0; j < QK_MAXJ; j++) {
+            if (j >= nj) break;
+            const float xa = __bfloat162float(row[32 * j + lane]), xb = __bfloat162float(row[half + 32 * j + lane]);
+            tot = __fadd_rn(tot, warp_sum(__fmaf_rn(xb, xb, __fmul_rn(xa, xa))));
+        }
+        const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
         const float* w = wqk + (cur.w > 0 ? D : 0);
 #pragma unroll
         for (int j = 0; j < QK_MAXJ; j++) {
             if (j >= nj) break;
             const int i = 32 * j + lane;
-            qk_store(cur, i, half, ya[j], yb[j], r, w[i], w[i + half], cs[i], cs[half + i]);
+            __nv_bfloat16 ba, bb;
+            qk_pair(cur.w, __bfloat162float(row[i]), __bfloat162float(row[half + i]), r, w[i], w[i + half], cs[i],
+                    cs[half + i], ba, bb);
+            row[i] = ba;                             // only this lane reads or writes elements i and i + half
+            row[half + i] = bb;
         }
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const int i = lane + 32 * c;
+            if (i < np) {
+                const uint4 o = reinterpret_cast<const uint4*>(row)[i];
+                if (cur.dst) reinterpret_cast<uint4*>(cur.dst)[i] = o;
+                if (cur.pool) reinterpret_cast<uint4*>(cur.pool)[i] = o;
+            }
+        }
+        __syncwarp();                                // the row is read out before the next head is stored in it
     }
 }
 

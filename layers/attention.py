@@ -126,6 +126,13 @@ def _row_src(g, a, T, heads, D, name):
     return a, heads * D
 
 
+def _rows_aligned(pointers, strides):
+    """qk_norm_rope_rows_bf16 moves heads as 16-byte pieces: every pointer (DeviceArray, gpu.ptr or None) 16-byte
+    aligned, every row stride (elements) a multiple of 8."""
+    return (all(p is None or int(getattr(p, "ptr", p)) % 16 == 0 for p in pointers)
+            and all(s % 8 == 0 for s in strides))
+
+
 # qkv_prep_gpu's kernel: a CTA per (row, head) up to this many rows, then a row per CTA (H200, twelfth session, us
 # a launch, head / row kernel, d256 and d512: T = 16 2.7 / 3.7 and 2.9 / 4.4; T = 64 4.1 / 4.6 and 4.8 / 4.6;
 # T = 507 20.7 / 11.0 and 23.8 / 11.6).
@@ -172,7 +179,9 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     if T == 0:
         return
     heads = Hq + 2 * Hkv
-    if T <= QK_HEAD_MAX_T or D > 512:
+    rows = T > QK_HEAD_MAX_T and D <= 512 and _rows_aligned((qp, kp, vp, q_out, k_out, v_out, k_pool, v_pool),
+                                                            (qs, ks, vs))
+    if not rows:
         f, grid, block = g.module("attention").function("qk_norm_rope_bf16"), (T, heads, 1), (D // 2, 1, 1)
     else:                                               # ny CTAs a row: about 2 CTAs an SM in all, <= a warp a head
         ny = max(1, min(-(-heads // 8), -(-2 * g.sm_count // T)))
