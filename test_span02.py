@@ -6126,19 +6126,20 @@ def test_moe_path_choice():
             assert g.args[0][1:3] == [P, E] and g.args[0][7:] == [ts, ws["tiles"], ws["n_tiles"]], g.args[0]
             assert g.launches[-1][:2] == ("moe.moe_combine_bf16", (T, (ex["H"] + 1023) // 1024))   # 8 columns a thread
             assert g.args[-1][0] is ws["o"] and g.args[-1][3:] == [T, ex["H"], k, E], g.args[-1]
-        return [name for name, _ in launches], g.launches
+        return [name for name, _ in launches], g.launches, g.blocks
 
     assert plan(1)[0] == ["gate_up_direct", "down_combine_direct"]
     assert plan(moe.WG_MIN_T - 1)[0][1] == "gate_up_mma_n1"                 # T = 7: still the grouped path
     for T, ntok in ((8, 32), (64, 32), (128, 32), (384, 32), (512, 64), (2048, 64)):   # mean group 1 .. 128 tokens
-        names, launches = plan(T)
+        names, launches, blocks = plan(T)
         assert names == ["group_tiles", "permute_x", f"gate_up_wg{ntok}", f"down_wg{ntok}", "combine"], names
         P, maxt = T * k, moe._max_tiles(E, T * k, ntok)
         stages = {32: 5, 64: 4}[ntok]
         # align, stages (x rows, weights, scales), the tile's row offsets / pair positions / weights, global scales
         shared = 1024 + stages * (256 * ntok + 9216) + 12 * ntok + 32
         assert launches[0][0] == "moe.moe_group_tiles"
-        assert launches[1][:2] == ("moe_sm90a.moe_permute_x", (6, T))          # 2 columns a thread
+        assert launches[1][:2] == ("moe_sm90a.moe_permute_x", (1, T))          # 8 columns a thread, 352 a CTA
+        assert blocks[1] == (352,)
         nbd = moe.WG_DOWN_BLOCKS                                     # 128-row blocks a down CTA: 22 of them
         assert launches[2] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[2]
         assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \

@@ -459,9 +459,9 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
     shared = _wg_shared(ntok, stages)
     nbd = WG_DOWN_BLOCKS
     return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles)),
-            ("permute_x", lambda: g.launch(
-                mw.function("moe_permute_x"), grid=((Hp + 511) // 512, T), block=(256,), args=[x, xp, H, Hp],
-                nbytes=2 * T * (H + Hp))),
+            ("permute_x", lambda: g.launch(                  # a 16-byte chunk of xp a thread
+                mw.function("moe_permute_x"), grid=(-(-(Hp // 8) // min(Hp // 8, 512)), T),
+                block=(min(Hp // 8, 512),), args=[x, xp, H, Hp], nbytes=2 * T * (H + Hp))),
             (f"gate_up_{kern}", lambda: g.launch(
                 mw.function(f"moe_gate_up_{kern}"), grid=(I // 64, maxt), block=(256,),
                 args=[xp, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], up,
