@@ -26,10 +26,11 @@ G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # the same bits as every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T
 # tokens, when the launch has at least W_MIN_CTAS tiles; W_MIN_T None: off. H200, 2026-11-30
 # (test_gpu_linear_prefill_timing, us, `_p` / `_g128` / `_ws`): T = 2048 q+k+v 687 / 503 / 217, o_proj 346 / 269 /
-# 118, down 184 / 150 / 67, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 352 / 139; T = 512 q+k+v 178 / 128 / 57;
+# 118, down 184 / 150 / 67, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 352 / 139 (128.5 from the sixteenth
+# session: linear_sm90a.cu ws_gelu_half); T = 512 q+k+v 178 / 128 / 57;
 # T = 128 q+k+v (64 tiles) 47 / 64 / 29, but o_proj (22 tiles) 34 / 92 / 40 and down 19 / 51 / 24: hence the floor.
 W_MIN_T, W_MIN_CTAS = 65, 64
-W_GATE = 64 * 2 * 128                                               # gelu: + the gate values (64 rows a tile)
+W_GATE = 64 * 2 * 128                                               # gelu: + the gate / up halves exchanged
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
 WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
