@@ -272,8 +272,8 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
 // projection 0's Y as store_out<.., GELU> does: warpgroup 0 the tokens 0..63 of the tile (elements e < 32), 1 the
 // tokens 64..127. Each hands the other gelu_in of the half it does not store (bf16-rounded, so exact in bf16)
 // through shared memory: `gate` (warpgroup 0's, e >= 32) and `up` (warpgroup 1's, e < 32), 8 KB each; named
-// barriers 1 / 4 = gate / up written, 2 / 3 = gate / up read. (Warpgroup 1 had stored all of them, a tile's
-// gelu epilogue on one warpgroup: T = 2048 141 us, 345 TFLOP/s against the plain tile's ~425; sixteenth session.)
+// barriers 1 / 4 = gate / up written, 2 / 3 = gate / up read. (Warpgroup 1 had stored all of them while 0 waited:
+// T = 2048 142.1 -> 128.5 us, 343 -> 379 TFLOP/s against the plain tile's ~425; sixteenth session.)
 template <bool GELU>
 __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
                                            int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {

@@ -55,7 +55,7 @@ __device__ __forceinline__ int perm_col(int w) {
 // xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 8 / block),
 // T), block <= Kp / 8: one 16-byte chunk of xp (words 4 j .. 4 j + 3 of a super unit, j = 0..15) per thread, from the
 // 4-byte words at columns 32 i + perm_col(4 j) (i = 0..3) of x: a warp's 4 loads read its 2 super units' 512 bytes
-// whole. (One 4-byte word a thread before: T = 2048 16.6 us, 1.4 TB/s; sixteenth session.)
+// whole. (One 4-byte word a thread before: T = 2048 15.4 -> 4.2 us, graph-replayed; sixteenth session.)
 extern "C" __global__ void __launch_bounds__(512) moe_permute_x(const bf16 *__restrict__ x, bf16 *__restrict__ xp,
                                                                 int K, int Kp) {
     pdl_entry();
