@@ -34,18 +34,31 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Top-k of one token (one warp): softmax over the E logits (fp32, max-subtracted, expf), the k largest p
 // (descending; ties -> lower expert index, numpy's stable argsort of -p), weights = p / sum(top p) (slot order)
 // * pes[expert].
+// Selection: each round, every lane takes its best p (strict >: its lowest index on ties), then the warp takes the
+// largest of those with redux.sync on an order-preserving integer key of the float (key(a) < key(b) exactly when
+// a < b, for every non-NaN float: non-negative floats keep their bits, negative ones flip all but the sign), and
+// among the lanes holding that largest value the lowest expert index (a second redux). The same choice, round by
+// round, as a compare-and-swap butterfly over (value, index), in 2 warp reductions instead of 10 shuffles. pes is
+// read with the logits (one round trip) and the chosen expert's factor taken from its lane; lane j writes slot j.
+// The max of the logits the same way (it may differ from a fmaxf butterfly only in the sign of a zero max, which
+// changes no exp(v - max)).
+__device__ __forceinline__ int order_key(float v) {
+    const int b = __float_as_int(v);
+    return b ^ ((b >> 31) & 0x7fffffff);
+}
+__device__ __forceinline__ float key_float(int k) { return __int_as_float(k ^ ((k >> 31) & 0x7fffffff)); }
 __device__ void topk_token(const float* lg, const float* __restrict__ pes, float* weights, int* idx, int E, int k) {
     const int lane = threadIdx.x & 31;
-    float v[MAXE];
+    float v[MAXE], pw[MAXE];
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < MAXE; ++i) {
         const int e = lane + 32 * i;
         v[i] = e < E ? __ldcg(lg + e) : -INFINITY;          // L2: other CTAs wrote them
+        pw[i] = e < E ? __ldg(pes + e) : 0.f;
         m = fmaxf(m, v[i]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, o));
+    m = key_float(__reduce_max_sync(FULL, order_key(m)));  // the largest logit (a NaN one is never taken)
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < MAXE; ++i) {
@@ -55,38 +68,37 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
     s = warp_sum(s);
 #pragma unroll
     for (int i = 0; i < MAXE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent / taken
-    float topv[MAXK];
-    int topi[MAXK];
+    float topv[MAXK], myv = 0.f, myp = 0.f;                 // lane j keeps round j's p, pes and expert
+    int myi = 0;
 #pragma unroll
     for (int j = 0; j < MAXK; ++j) {
-        topv[j] = 0.f; topi[j] = 0;
+        topv[j] = 0.f;
         if (j < k) {
             float bv = -2.f; int bi = 0x7fffffff;             // lane's best: largest p, lowest index on ties
 #pragma unroll
             for (int i = 0; i < MAXE; ++i)
                 if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(FULL, bv, o);
-                const int oi = __shfl_xor_sync(FULL, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-            }
-            topv[j] = bv; topi[j] = bi;
+            const int kmax = __reduce_max_sync(FULL, order_key(bv));
+            const int wi = __reduce_min_sync(FULL, order_key(bv) == kmax ? bi : 0x7fffffff);
+            const int slot = (unsigned)wi >> 5;               // warp-uniform
+            float pl = 0.f;
 #pragma unroll
             for (int i = 0; i < MAXE; ++i)
-                if (lane + 32 * i == bi) v[i] = -1.f;
+                if (i == slot) pl = pw[i];
+            topv[j] = key_float(kmax);                        // warp-uniform
+            pl = __shfl_sync(FULL, pl, wi & 31);
+            if (lane == j) { myv = topv[j]; myp = pl; myi = wi; }
+#pragma unroll
+            for (int i = 0; i < MAXE; ++i)
+                if (lane + 32 * i == wi) v[i] = -1.f;
         }
     }
-    if (lane == 0) {
-        float sum = 0.f;
+    float sum = 0.f;                                       // every lane: the same sum, slot order
 #pragma unroll
-        for (int j = 0; j < MAXK; ++j) if (j < k) sum += topv[j];
-#pragma unroll
-        for (int j = 0; j < MAXK; ++j)
-            if (j < k) {
-                weights[j] = (topv[j] / sum) * pes[topi[j]];
-                idx[j] = topi[j];
-            }
+    for (int j = 0; j < MAXK; ++j) if (j < k) sum += topv[j];
+    if (lane < k) {
+        weights[lane] = (myv / sum) * myp;
+        idx[lane] = myi;
     }
 }
 
