@@ -6277,6 +6277,7 @@ class _LaunchLog:
 
     def __init__(self, capability=(9, 0), sm_count=132):
         self.capability, self.sm_count, self.launches, self.args, self.blocks = capability, sm_count, [], [], []
+        self.pdl = []
 
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
@@ -6285,6 +6286,24 @@ class _LaunchLog:
         self.launches.append((f, tuple(grid), shared, flops))
         self.args.append(list(args))
         self.blocks.append(tuple(block))
+        self.pdl.append(pdl)
+
+
+def test_norms_pdl_plan():
+    """layers.norm's fused chains (no device): one launch each, with PDL up to NORMS_PDL_MAX_T rows (the kernels fetch
+    their weights before griddepcontrol.wait) and without it above (their early CTAs would hold SMs the batch's
+    expert kernels need)."""
+    from layers import norm as N
+    arr = lambda *shape: types.SimpleNamespace(shape=shape, dtype=N.BF16, ptr=1024)
+    H = 2816
+    for T in (1, 16, 17, 64):
+        lg = _LaunchLog()
+        v = [arr(T, H) for _ in range(6)]
+        N.post_attn_norms_gpu(lg, v[0], v[1], arr(H), arr(H), arr(H), v[2], v[3], v[4], 1e-6,
+                              router=(v[5], arr(H), H ** -0.5))
+        N.post_ffn_norms_gpu(lg, v[0], v[1], v[2], arr(H), arr(H), arr(H), 0.5, v[3], 1e-6, w_next=arr(H), xn=v[4])
+        assert [f for f, *_ in lg.launches] == ["elementwise.post_attn_norms_bf16", "elementwise.post_ffn_norms_bf16"]
+        assert lg.pdl == [T <= N.NORMS_PDL_MAX_T] * 2, (T, lg.pdl)
 
 
 def _fake_linear(fmt, n, k):

@@ -11,7 +11,7 @@
 
 typedef __nv_bfloat16 bf16;
 
-#include "pdl.cuh"          // pdl_entry: programmatic dependent launch (which launches use it, and why)
+#include "pdl.cuh"          // pdl_entry / pdl_wait / pdl_trigger: programmatic dependent launch (which launches use it)
 #include "combine.cuh"      // the experts' combine (post_ffn_norms_pairs_bf16)
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
@@ -195,10 +195,9 @@ __device__ __forceinline__ float sumsq8(const float* f) {
     return s;
 }
 
-// y = bf16(f * inv * w) for the 8 values (the rmsnorm_rows product order), kept as the stored bf16 values
-__device__ __forceinline__ void norm8(const float* f, float inv, const bf16* w, float* y) {
-    float wf[8];
-    load_bf16<8>(w, wf);
+// y = bf16(f * inv * w) for the 8 values (the rmsnorm_rows product order), kept as the stored bf16 values; wf =
+// the 8 weights as fp32 (load_bf16: the norm kernels fetch every weight vector before anything else)
+__device__ __forceinline__ void norm8(const float* f, float inv, const float* wf, float* y) {
 #pragma unroll
     for (int j = 0; j < 8; j++) y[j] = round_bf16(f[j] * inv * wf[j]);
 }
@@ -207,9 +206,8 @@ __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0
 
 // r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
 // each product rounded as transformers' bf16 model does); kernels_ptx/router.cu takes it from here.
-__device__ __forceinline__ void router_row8(const float* f, float inv, const bf16* scale, float root, bf16* r) {
-    float sf[8], y[8];
-    load_bf16<8>(scale, sf);
+__device__ __forceinline__ void router_row8(const float* f, float inv, const float* sf, float root, bf16* r) {
+    float y[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) y[j] = round_bf16(round_bf16(f[j] * inv) * sf[j]) * root;
     store_bf16<8>(r, y);
@@ -221,29 +219,38 @@ extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __re
                                                 const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
                                                 int n, float eps, bf16* __restrict__ r,
                                                 const bf16* __restrict__ r_scale, float root) {
-    pdl_entry();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
-    float f[8], hv[8], y[8];
-    if (own) load_bf16<8>(a + row + c, f);
+    float wpa[8], wpf[8], wpf2[8], wr[8];                // every weight first (no kernel writes them)
+    if (own) {
+        load_bf16<8>(w_pa + c, wpa);
+        load_bf16<8>(w_pf + c, wpf);
+        load_bf16<8>(w_pf2 + c, wpf2);
+        if (r) load_bf16<8>(r_scale + c, wr);
+    }
+    pdl_wait();                                          // then both activations at once
+    pdl_trigger();
+    float f[8], xr[8], hv[8], y[8];
+    if (own) {
+        load_bf16<8>(a + row + c, f);
+        load_bf16<8>(x + row + c, xr);
+    }
     const float inv_a = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums0, warps, lane), n, eps);
     if (own) {
-        float r[8];
-        norm8(f, inv_a, w_pa + c, y);
-        load_bf16<8>(x + row + c, r);
+        norm8(f, inv_a, wpa, y);
 #pragma unroll
-        for (int j = 0; j < 8; j++) hv[j] = round_bf16(r[j] + y[j]);
+        for (int j = 0; j < 8; j++) hv[j] = round_bf16(xr[j] + y[j]);
         store_bf16<8>(h + row + c, hv);
     }
     const float inv_h = inv_rms(row_sum(own ? sumsq8(hv) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
-        norm8(hv, inv_h, w_pf + c, y);
+        norm8(hv, inv_h, wpf, y);
         store_bf16<8>(xn + row + c, y);
-        norm8(hv, inv_h, w_pf2 + c, y);
+        norm8(hv, inv_h, wpf2, y);
         store_bf16<8>(e_in + row + c, y);
-        if (r) router_row8(hv, inv_h, r_scale + c, root, r + row + c);
+        if (r) router_row8(hv, inv_h, wr, root, r + row + c);
     }
 }
 
@@ -256,10 +263,13 @@ extern "C" __global__ void router_input_bf16(bf16* __restrict__ r, const bf16* _
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
-    float f[8];
-    if (own) load_bf16<8>(h + row + c, f);
+    float f[8], sf[8];
+    if (own) {
+        load_bf16<8>(r_scale + c, sf);
+        load_bf16<8>(h + row + c, f);
+    }
     const float inv = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums, warps, lane), n, eps);
-    if (own) router_row8(f, inv, r_scale + c, root, r + row + c);
+    if (own) router_row8(f, inv, sf, root, r + row + c);
 }
 
 // e's row values come either from e itself or (PAIRS) from the experts' pair outputs o (T*k, n) and idx (T, k),
@@ -278,9 +288,21 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
-    float fm[8], fe[8], sv[8], xv[8], y[8];
+    float w1f[8], w2f[8], w3f[8], w4f[8];                // every weight first (no kernel writes them)
+    if (own) {
+        load_bf16<8>(w1 + c, w1f);
+        load_bf16<8>(w2 + c, w2f);
+        load_bf16<8>(w3 + c, w3f);
+        if (w4) load_bf16<8>(w4 + c, w4f);
+    }
+    pdl_wait();                                          // then every activation at once
+    pdl_trigger();
+    float fm[8], fe[8], hr[8], sv[8], xv[8], y[8];
     if (PAIRS && threadIdx.x < 32) slots_by_expert_warp(idx + (size_t)blockIdx.x * k, k, E, order, &nvalid);
-    if (own) load_bf16<8>(m + row + c, fm);
+    if (own) {
+        load_bf16<8>(m + row + c, fm);
+        load_bf16<8>(h + row + c, hr);
+    }
     if (PAIRS) {
         __syncthreads();                             // order, nvalid
         if (own) {
@@ -295,24 +317,22 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     const float inv_e = inv_rms(row_sum(own ? sumsq8(fe) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
         float m1[8];
-        norm8(fm, inv_m, w1 + c, m1);
-        norm8(fe, inv_e, w2 + c, y);
+        norm8(fm, inv_m, w1f, m1);
+        norm8(fe, inv_e, w2f, y);
 #pragma unroll
         for (int j = 0; j < 8; j++) sv[j] = round_bf16(m1[j] + y[j]);
     }
     const float inv_s = inv_rms(row_sum(own ? sumsq8(sv) : 0.f, sums2, warps, lane), n, eps);
     if (own) {
-        float r[8];
-        norm8(sv, inv_s, w3 + c, y);
-        load_bf16<8>(h + row + c, r);
+        norm8(sv, inv_s, w3f, y);
 #pragma unroll
-        for (int j = 0; j < 8; j++) xv[j] = round_bf16(round_bf16(r[j] + y[j]) * scale);
+        for (int j = 0; j < 8; j++) xv[j] = round_bf16(round_bf16(hr[j] + y[j]) * scale);
         store_bf16<8>(x + row + c, xv);
     }
     if (w4 == nullptr) return;                       // uniform over the block: no barrier is skipped by some
     const float inv_x = inv_rms(row_sum(own ? sumsq8(xv) : 0.f, sums3, warps, lane), n, eps);
     if (own) {
-        norm8(xv, inv_x, w4 + c, y);
+        norm8(xv, inv_x, w4f, y);
         store_bf16<8>(xn + row + c, y);
     }
 }
@@ -322,7 +342,6 @@ extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __res
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                const bf16* __restrict__ w4, int n, float eps, float scale) {
-    pdl_entry();
     post_ffn_norms<false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
 }
 
@@ -333,7 +352,6 @@ extern "C" __global__ void post_ffn_norms_pairs_bf16(bf16* __restrict__ x, bf16*
                                                      const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                      const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                      const bf16* __restrict__ w4, int n, float eps, float scale) {
-    pdl_entry();
     post_ffn_norms<true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
 }
 
