@@ -832,6 +832,7 @@ GEMM_KERNEL(gemm_bf16_f32_g128, FMT_BF16, true)
     DEC2_KERNEL(prefix##_sn4m1r6b2t, FMT_FP8, 4, 1, false, GELU, 6, 2, true, true)                            \
     DEC2_KERNEL(prefix##_sn8m1r4b2, FMT_FP8, 8, 1, false, GELU, 4, 2, false, true)
 DEC2_FP8(gemm_fp8_bf16, false)
+DEC2_KERNEL(gemm_fp8_bf16_sn1m1r6b4, FMT_FP8, 1, 1, false, false, 6, 4, false, true)   // 'mix' at T <= 8
 DEC2_KERNEL(gemm_fp8_bf16_n2m1r8b2, FMT_FP8, 2, 1, false, false, 8, 2, false, false)
 DEC2_FP8(gelu_fp8_bf16, true)
 DEC2_KERNEL(gemm_fp8_bf16_sn4m2r4b2t, FMT_FP8, 4, 2, false, false, 4, 2, true, true)

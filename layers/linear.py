@@ -58,8 +58,11 @@ DECODE_VARIANTS = {         # variant -> family -> {max T: suffix (None: the def
            'gelu_fp8_bf16': {16: 'sn2m1r5b4', 64: 'sn4m1r6b2t'},
            'gemm_bf16_f32': {16: 'sn2m1r6b2', 64: 'sn4m1r4b2t'}},
     # per T bucket the fastest of the above in the 2026-11-30 H200 table (test_gpu_linear_decode_variants):
-    # s8's kernels at T <= 8, the default at 9..16, m2's at 17..64; the head: default up to 16, reg's at 64
-    'mix': {'gemm_fp8_bf16': {8: 'sn1m1r8b3', 16: None, 64: 'sn4m2r4b2t'},
+    # s8's kernels at T <= 8, the default at 9..16, m2's at 17..64; the head: default up to 16, reg's at 64.
+    # Then the plain FP8 GEMV at T <= 8 on sn1m1r6b4 (a 6-item ring: 48 KB of shared memory, 4 CTAs an SM, so
+    # the 512 CTAs of a sliding layer's q+k+v are resident at once; 3 an SM left 116 for a second wave): batch-1
+    # decode graph 2507.3 -> 2456.2 us (H200, 2026-11-30, the same bits).
+    'mix': {'gemm_fp8_bf16': {8: 'sn1m1r6b4', 16: None, 64: 'sn4m2r4b2t'},
             'gelu_fp8_bf16': {8: 'sn1m1r8b3', 16: None, 64: 'sn4m1r6b2t'},
             'gemm_bf16_f32': {16: None, 64: 'n4m1r2b2t'}},
     'm2': {'gemm_fp8_bf16': {16: 'sn2m1r8b3', 64: 'sn4m2r4b2t'},
