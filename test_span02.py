@@ -6290,9 +6290,9 @@ class _LaunchLog:
 
 
 def test_norms_pdl_plan():
-    """layers.norm's fused chains (no device): one launch each, with PDL up to NORMS_PDL_MAX_T rows (the kernels fetch
-    their weights before griddepcontrol.wait) and without it above (their early CTAs would hold SMs the batch's
-    expert kernels need)."""
+    """layers.norm's fused chains (no device): one launch each; up to NORMS_PRE_MAX_T rows the `_pre` kernels (their
+    weights fetched before griddepcontrol.wait) with PDL, above the plain kernels without it (fewer registers for
+    prompts; early CTAs would hold SMs the batch's expert kernels need)."""
     from layers import norm as N
     arr = lambda *shape: types.SimpleNamespace(shape=shape, dtype=N.BF16, ptr=1024)
     H = 2816
@@ -6302,8 +6302,10 @@ def test_norms_pdl_plan():
         N.post_attn_norms_gpu(lg, v[0], v[1], arr(H), arr(H), arr(H), v[2], v[3], v[4], 1e-6,
                               router=(v[5], arr(H), H ** -0.5))
         N.post_ffn_norms_gpu(lg, v[0], v[1], v[2], arr(H), arr(H), arr(H), 0.5, v[3], 1e-6, w_next=arr(H), xn=v[4])
-        assert [f for f, *_ in lg.launches] == ["elementwise.post_attn_norms_bf16", "elementwise.post_ffn_norms_bf16"]
-        assert lg.pdl == [T <= N.NORMS_PDL_MAX_T] * 2, (T, lg.pdl)
+        pre = T <= N.NORMS_PRE_MAX_T
+        sfx = "_pre_bf16" if pre else "_bf16"
+        assert [f for f, *_ in lg.launches] == ["elementwise.post_attn_norms" + sfx, "elementwise.post_ffn_norms" + sfx]
+        assert lg.pdl == [pre] * 2, (T, lg.pdl)
 
 
 def _fake_linear(fmt, n, k):

@@ -196,10 +196,35 @@ __device__ __forceinline__ float sumsq8(const float* f) {
 }
 
 // y = bf16(f * inv * w) for the 8 values (the rmsnorm_rows product order), kept as the stored bf16 values; wf =
-// the 8 weights as fp32 (load_bf16: the norm kernels fetch every weight vector before anything else)
+// the 8 weights as fp32 (wts below)
 __device__ __forceinline__ void norm8(const float* f, float inv, const float* wf, float* y) {
 #pragma unroll
     for (int j = 0; j < 8; j++) y[j] = round_bf16(f[j] * inv * wf[j]);
+}
+
+// The norm chains come in two forms with one arithmetic (layers/norm.py picks by T): PRE (the `_pre` kernels, a few
+// rows: decode) fetches every weight vector first, before griddepcontrol.wait, and every activation right after
+// it, so no load waits behind a reduction; the plain kernels (prompts: thousands of rows) load each vector where
+// it is used, which keeps them at 31-56 registers and 3+ CTAs an SM (PRE takes 68-96: 1-2 at 352 threads; the
+// 2,048-token prefill lost 1.5 ms with it, H200 2026-11-30). wts: the 8 weights at w, preloaded (PRE) or loaded now.
+template <bool PRE>
+__device__ __forceinline__ const float* wts(const float* pre, const bf16* w, float* tmp) {
+    if (PRE) return pre;
+    load_bf16<8>(w, tmp);
+    return tmp;
+}
+template <bool PRE>
+__device__ __forceinline__ void pre8(const bf16* w, float* dst, bool on) {
+    if (PRE && on) load_bf16<8>(w, dst);
+}
+// PRE: the weights are fetched, then griddepcontrol.wait, then the next launch is let go (so early grids do not
+// chain); plain: pdl_entry.
+template <bool PRE>
+__device__ __forceinline__ void pre_wait() {
+    if (PRE) {
+        pdl_wait();
+        pdl_trigger();
+    }
 }
 
 __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
@@ -213,45 +238,54 @@ __device__ __forceinline__ void router_row8(const float* f, float inv, const flo
     store_bf16<8>(r, y);
 }
 
-extern "C" __global__ void post_attn_norms_bf16(bf16* __restrict__ h, bf16* __restrict__ xn,
-                                                bf16* __restrict__ e_in, const bf16* __restrict__ a,
-                                                const bf16* __restrict__ x, const bf16* __restrict__ w_pa,
-                                                const bf16* __restrict__ w_pf, const bf16* __restrict__ w_pf2,
-                                                int n, float eps, bf16* __restrict__ r,
-                                                const bf16* __restrict__ r_scale, float root) {
+template <bool PRE>
+__device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __restrict__ xn, bf16* __restrict__ e_in,
+                                                const bf16* __restrict__ a, const bf16* __restrict__ x,
+                                                const bf16* __restrict__ w_pa, const bf16* __restrict__ w_pf,
+                                                const bf16* __restrict__ w_pf2, int n, float eps,
+                                                bf16* __restrict__ r, const bf16* __restrict__ r_scale, float root) {
+    if (!PRE) pdl_entry();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
-    float wpa[8], wpf[8], wpf2[8], wr[8];                // every weight first (no kernel writes them)
-    if (own) {
-        load_bf16<8>(w_pa + c, wpa);
-        load_bf16<8>(w_pf + c, wpf);
-        load_bf16<8>(w_pf2 + c, wpf2);
-        if (r) load_bf16<8>(r_scale + c, wr);
-    }
-    pdl_wait();                                          // then both activations at once
-    pdl_trigger();
+    float wpa[8], wpf[8], wpf2[8], wr[8], wt[8];
+    pre8<PRE>(w_pa + c, wpa, own);
+    pre8<PRE>(w_pf + c, wpf, own);
+    pre8<PRE>(w_pf2 + c, wpf2, own);
+    pre8<PRE>(r_scale + c, wr, own && r);
+    pre_wait<PRE>();
     float f[8], xr[8], hv[8], y[8];
-    if (own) {
-        load_bf16<8>(a + row + c, f);
-        load_bf16<8>(x + row + c, xr);
-    }
+    if (own) load_bf16<8>(a + row + c, f);
+    if (PRE && own) load_bf16<8>(x + row + c, xr);
     const float inv_a = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums0, warps, lane), n, eps);
     if (own) {
-        norm8(f, inv_a, wpa, y);
+        norm8(f, inv_a, wts<PRE>(wpa, w_pa + c, wt), y);
+        if (!PRE) load_bf16<8>(x + row + c, xr);
 #pragma unroll
         for (int j = 0; j < 8; j++) hv[j] = round_bf16(xr[j] + y[j]);
         store_bf16<8>(h + row + c, hv);
     }
     const float inv_h = inv_rms(row_sum(own ? sumsq8(hv) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
-        norm8(hv, inv_h, wpf, y);
+        norm8(hv, inv_h, wts<PRE>(wpf, w_pf + c, wt), y);
         store_bf16<8>(xn + row + c, y);
-        norm8(hv, inv_h, wpf2, y);
+        norm8(hv, inv_h, wts<PRE>(wpf2, w_pf2 + c, wt), y);
         store_bf16<8>(e_in + row + c, y);
-        if (r) router_row8(hv, inv_h, wr, root, r + row + c);
+        if (r) router_row8(hv, inv_h, wts<PRE>(wr, r_scale + c, wt), root, r + row + c);
     }
+}
+
+#define POST_ATTN_ARGS                                                                                        \
+    bf16 *__restrict__ h, bf16 *__restrict__ xn, bf16 *__restrict__ e_in, const bf16 *__restrict__ a,        \
+        const bf16 *__restrict__ x, const bf16 *__restrict__ w_pa, const bf16 *__restrict__ w_pf,           \
+        const bf16 *__restrict__ w_pf2, int n, float eps, bf16 *__restrict__ r, const bf16 *__restrict__ r_scale, \
+        float root
+extern "C" __global__ void post_attn_norms_bf16(POST_ATTN_ARGS) {
+    post_attn_norms<false>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root);
+}
+extern "C" __global__ void post_attn_norms_pre_bf16(POST_ATTN_ARGS) {
+    post_attn_norms<true>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root);
 }
 
 // router_input_bf16: r alone from h (T, n): the bytes post_attn_norms_bf16 gives for the same h (same layout,
@@ -264,45 +298,38 @@ extern "C" __global__ void router_input_bf16(bf16* __restrict__ r, const bf16* _
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
     float f[8], sf[8];
-    if (own) {
-        load_bf16<8>(r_scale + c, sf);
-        load_bf16<8>(h + row + c, f);
-    }
+    if (own) load_bf16<8>(h + row + c, f);
     const float inv = inv_rms(row_sum(own ? sumsq8(f) : 0.f, sums, warps, lane), n, eps);
-    if (own) router_row8(f, inv, sf, root, r + row + c);
+    if (own) router_row8(f, inv, wts<false>(nullptr, r_scale + c, sf), root, r + row + c);
 }
 
 // e's row values come either from e itself or (PAIRS) from the experts' pair outputs o (T*k, n) and idx (T, k),
 // combined here with combine.cuh's arithmetic: bf16(the combine's fp32 sum), the bytes moe_combine_bf16 would
 // have stored in e. One launch and no e round trip (post_ffn_norms_pairs_bf16).
-template <bool PAIRS>
+template <bool PAIRS, bool PRE>
 __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __restrict__ xn,
                                                const bf16* __restrict__ m, const bf16* __restrict__ e,
                                                const int* __restrict__ idx, int k, int E,
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
                                                const bf16* __restrict__ w4, int n, float eps, float scale) {
+    if (!PRE) pdl_entry();
     __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
     __shared__ int order[MAX_K];
     __shared__ int nvalid;
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
     const bool own = c < n;
     const size_t row = (size_t)blockIdx.x * n;
-    float w1f[8], w2f[8], w3f[8], w4f[8];                // every weight first (no kernel writes them)
-    if (own) {
-        load_bf16<8>(w1 + c, w1f);
-        load_bf16<8>(w2 + c, w2f);
-        load_bf16<8>(w3 + c, w3f);
-        if (w4) load_bf16<8>(w4 + c, w4f);
-    }
-    pdl_wait();                                          // then every activation at once
-    pdl_trigger();
+    float w1f[8], w2f[8], w3f[8], w4f[8], wt[8];
+    pre8<PRE>(w1 + c, w1f, own);
+    pre8<PRE>(w2 + c, w2f, own);
+    pre8<PRE>(w3 + c, w3f, own);
+    pre8<PRE>(w4 + c, w4f, own && w4);
+    pre_wait<PRE>();
     float fm[8], fe[8], hr[8], sv[8], xv[8], y[8];
     if (PAIRS && threadIdx.x < 32) slots_by_expert_warp(idx + (size_t)blockIdx.x * k, k, E, order, &nvalid);
-    if (own) {
-        load_bf16<8>(m + row + c, fm);
-        load_bf16<8>(h + row + c, hr);
-    }
+    if (own) load_bf16<8>(m + row + c, fm);
+    if (PRE && own) load_bf16<8>(h + row + c, hr);
     if (PAIRS) {
         __syncthreads();                             // order, nvalid
         if (own) {
@@ -317,14 +344,15 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     const float inv_e = inv_rms(row_sum(own ? sumsq8(fe) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
         float m1[8];
-        norm8(fm, inv_m, w1f, m1);
-        norm8(fe, inv_e, w2f, y);
+        norm8(fm, inv_m, wts<PRE>(w1f, w1 + c, wt), m1);
+        norm8(fe, inv_e, wts<PRE>(w2f, w2 + c, wt), y);
 #pragma unroll
         for (int j = 0; j < 8; j++) sv[j] = round_bf16(m1[j] + y[j]);
     }
     const float inv_s = inv_rms(row_sum(own ? sumsq8(sv) : 0.f, sums2, warps, lane), n, eps);
     if (own) {
-        norm8(sv, inv_s, w3f, y);
+        norm8(sv, inv_s, wts<PRE>(w3f, w3 + c, wt), y);
+        if (!PRE) load_bf16<8>(h + row + c, hr);
 #pragma unroll
         for (int j = 0; j < 8; j++) xv[j] = round_bf16(round_bf16(hr[j] + y[j]) * scale);
         store_bf16<8>(x + row + c, xv);
@@ -332,27 +360,32 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     if (w4 == nullptr) return;                       // uniform over the block: no barrier is skipped by some
     const float inv_x = inv_rms(row_sum(own ? sumsq8(xv) : 0.f, sums3, warps, lane), n, eps);
     if (own) {
-        norm8(xv, inv_x, w4f, y);
+        norm8(xv, inv_x, wts<PRE>(w4f, w4 + c, wt), y);
         store_bf16<8>(xn + row + c, y);
     }
 }
 
-extern "C" __global__ void post_ffn_norms_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
-                                               const bf16* __restrict__ m, const bf16* __restrict__ e,
-                                               const bf16* __restrict__ h, const bf16* __restrict__ w1,
-                                               const bf16* __restrict__ w2, const bf16* __restrict__ w3,
-                                               const bf16* __restrict__ w4, int n, float eps, float scale) {
-    post_ffn_norms<false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
+#define POST_FFN_ARGS                                                                                         \
+    bf16 *__restrict__ x, bf16 *__restrict__ xn, const bf16 *__restrict__ m, const bf16 *__restrict__ e,     \
+        const bf16 *__restrict__ h, const bf16 *__restrict__ w1, const bf16 *__restrict__ w2,               \
+        const bf16 *__restrict__ w3, const bf16 *__restrict__ w4, int n, float eps, float scale
+#define POST_FFN_PAIRS_ARGS                                                                                   \
+    bf16 *__restrict__ x, bf16 *__restrict__ xn, const bf16 *__restrict__ m, const bf16 *__restrict__ o,     \
+        const int *__restrict__ idx, int k, int E, const bf16 *__restrict__ h, const bf16 *__restrict__ w1, \
+        const bf16 *__restrict__ w2, const bf16 *__restrict__ w3, const bf16 *__restrict__ w4, int n, float eps, \
+        float scale
+extern "C" __global__ void post_ffn_norms_bf16(POST_FFN_ARGS) {
+    post_ffn_norms<false, false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
 }
-
+extern "C" __global__ void post_ffn_norms_pre_bf16(POST_FFN_ARGS) {
+    post_ffn_norms<false, true>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
+}
 // o (T*k, n) bf16 pair outputs (row t*k + s: token t's slot s), idx (T, k): e = their combine (see above).
-extern "C" __global__ void post_ffn_norms_pairs_bf16(bf16* __restrict__ x, bf16* __restrict__ xn,
-                                                     const bf16* __restrict__ m, const bf16* __restrict__ o,
-                                                     const int* __restrict__ idx, int k, int E,
-                                                     const bf16* __restrict__ h, const bf16* __restrict__ w1,
-                                                     const bf16* __restrict__ w2, const bf16* __restrict__ w3,
-                                                     const bf16* __restrict__ w4, int n, float eps, float scale) {
-    post_ffn_norms<true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
+extern "C" __global__ void post_ffn_norms_pairs_bf16(POST_FFN_PAIRS_ARGS) {
+    post_ffn_norms<true, false>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
+}
+extern "C" __global__ void post_ffn_norms_pairs_pre_bf16(POST_FFN_PAIRS_ARGS) {
+    post_ffn_norms<true, true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
 }
 
 // ------------------------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@
 //   - linear.cu's, router_bf16's and moe_down_combine_direct's: they fetch weights before pdl_wait. Batch-1 step
 //     2.915 ms with PDL on the linear launches only, 3.191 with it on every launch, 3.503 with none; batch 64
 //     17.73 / 19.23 / 18.50 ms. With router_bf16 and moe_down_combine_direct too: 2.846 ms at batch 1.
-//   - elementwise.cu's fused norm chains (post_attn_norms_bf16, post_ffn_norms_bf16 / _pairs) for T <= 16 only
-//     (layers/norm.py NORMS_PDL_MAX_T): they fetch their weights, wait, and only then trigger, so the chain of
+//   - elementwise.cu's `_pre` norm chains (post_attn_norms_pre_bf16, post_ffn_norms[_pairs]_pre_bf16: T <= 16,
+//     layers/norm.py NORMS_PRE_MAX_T): they fetch their weights, wait, and only then trigger, so the chain of
 //     early grids stops at them. Batch 1 2539.7 -> 2508.9 us, batch 64 14612.0 -> 14785.5 (2026-11-30).
 //   - not the others (elementwise.cu, attention.cu, the batch router and grouped MoE kernels): with the attribute
 //     on every launch each kernel's trigger lets the next one launch and trigger in turn, so waiting grids pile up

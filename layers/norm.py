@@ -56,11 +56,14 @@ def _fused_tpr(x):
     return tpr
 
 
-# The fused norm launches use PDL for T <= NORMS_PDL_MAX_T: the kernels fetch their weights before
-# griddepcontrol.wait and trigger the next launch only after it. H200, 2026-11-30, decode graphs at 1k context:
-# batch 1 2539.7 -> 2508.9 us, batch 16 7419.4 -> 7399.5, batch 64 14612.0 -> 14785.5 (there the early CTAs, 96
-# registers x 352 threads each, hold SMs the expert kernels need; kernels_ptx/pdl.cuh).
-NORMS_PDL_MAX_T = 16
+# The fused norm chains for T <= NORMS_PRE_MAX_T run the `_pre` kernels (elementwise.cu: every weight fetched before
+# griddepcontrol.wait, every activation right after it, the next launch let go only then) with PDL; above, the
+# plain kernels (each vector loaded where it is used: a third of the registers) without it. The same bytes.
+# H200, 2026-11-30, decode graphs at 1k context, rebuilt per setting: batch 1 2599.5 (plain) -> 2539.7 (_pre) ->
+# 2508.9 us (_pre + PDL), batch 16 7437.4 -> 7419.4 -> 7399.5; batch 64 14630.1 -> 14612.0 -> 14785.5 (with PDL
+# the early CTAs, 96 registers x 352 threads each, hold SMs the expert kernels need: kernels_ptx/pdl.cuh); the
+# 2,048-token prefill's norms 2.13 ms (plain) -> 3.63 ms (_pre: one or two CTAs an SM instead of three).
+NORMS_PRE_MAX_T = 16
 
 
 def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None):
@@ -80,9 +83,10 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
             router_input_gpu(g, h, router[1], router[0], eps, router[2])
         return
     r, scale, root = router if router else (None, None, 1.0)
-    pdl = T <= NORMS_PDL_MAX_T
-    g.launch(g.module("elementwise").function("post_attn_norms_bf16"), grid=(T,), block=(tpr,),
-             args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale, float(root)], pdl=pdl)
+    pre = T <= NORMS_PRE_MAX_T
+    g.launch(g.module("elementwise").function("post_attn_norms_pre_bf16" if pre else "post_attn_norms_bf16"),
+             grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
+                                            float(root)], pdl=pre)
 
 
 def router_input_gpu(g, h, scale, r, eps, root):
@@ -120,11 +124,12 @@ def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=No
             rmsnorm_gpu(g, x, w_next, xn, eps)
         return
     xn_arg = xn if w_next is not None else None
-    pdl = T <= NORMS_PDL_MAX_T
+    pre = T <= NORMS_PRE_MAX_T
+    sfx = "_pre_bf16" if pre else "_bf16"
     if pairs is not None:
-        g.launch(g.module("elementwise").function("post_ffn_norms_pairs_bf16"), grid=(T,), block=(tpr,),
+        g.launch(g.module("elementwise").function("post_ffn_norms_pairs" + sfx), grid=(T,), block=(tpr,),
                  args=[x, xn_arg, m, pairs.o, pairs.idx, pairs.k, pairs.E, h, w1, w2, w3, w_next, n, float(eps),
-                       float(scale)], pdl=pdl)
+                       float(scale)], pdl=pre)
         return
-    g.launch(g.module("elementwise").function("post_ffn_norms_bf16"), grid=(T,), block=(tpr,),
-             args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale)], pdl=pdl)
+    g.launch(g.module("elementwise").function("post_ffn_norms" + sfx), grid=(T,), block=(tpr,),
+             args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale)], pdl=pre)
