@@ -205,7 +205,7 @@ __device__ __forceinline__ void norm8(const float* f, float inv, const float* wf
 // The norm chains come in two forms with one arithmetic (layers/norm.py picks by T): PRE (the `_pre` kernels, a few
 // rows: decode) fetches every weight vector first, before griddepcontrol.wait, and every activation right after
 // it, so no load waits behind a reduction; the plain kernels (prompts: thousands of rows) load each vector where
-// it is used, which keeps them at 31-56 registers and 3+ CTAs an SM (PRE takes 68-96: 1-2 at 352 threads; the
+// it is used, which keeps them at 31-56 registers and 3+ CTAs an SM (PRE takes 71-96: 1-2 at 352 threads; the
 // 2,048-token prefill lost 1.5 ms with it, H200 2026-11-30). wts: the 8 weights at w, preloaded (PRE) or loaded now.
 template <bool PRE>
 __device__ __forceinline__ const float* wts(const float* pre, const bf16* w, float* tmp) {
