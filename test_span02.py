@@ -4024,7 +4024,8 @@ def test_gpu_attention_bit_identity(g, geo):
 
 ODD = {"g4_d256_w20": (4, 1, 256, True, 20), "g2_d512_full": (6, 3, 512, False, 0),   # (Hq, Hkv, D, sliding, W)
        "g1_d256_w7": (3, 3, 256, True, 7), "g2_d64_w32": (4, 2, 64, True, 32), "g4_d128_full": (4, 1, 128, False, 0),
-       "g1_d128_w20": (3, 3, 128, True, 20), "g3_d64_full": (6, 2, 64, False, 0), "g8_d64_w7": (8, 1, 64, True, 7)}
+       "g1_d128_w20": (3, 3, 128, True, 20), "g3_d64_full": (6, 2, 64, False, 0), "g8_d64_w7": (8, 1, 64, True, 7),
+       "g16_d64_w32": (16, 1, 64, True, 32)}    # G = 16: the split tile's 16 Q rows, no zero row (QR)
 
 
 @needs_gpu
@@ -4088,7 +4089,7 @@ def test_attention_split_grid():
     2 per (row, head), never fewer than about ATTN_SPLIT_CTAS CTAs in all unless the cap binds, never more
     columns than slots."""
     assert A.split_z(1, 8, 17) == 17 and A.split_z(1, 2, 129) == 17
-    assert A.split_z(16, 8, 17) == 4 and A.split_z(64, 8, 17) == 2 and A.split_z(64, 2, 129) == 4
+    assert A.split_z(16, 8, 17) == 12 and A.split_z(64, 8, 17) == 3 and A.split_z(64, 2, 129) == 12   # 1536 CTAs
     assert A.split_z(1, 1, 2) == 2 and A.split_z(64, 8, 1) == 1
     for Hkv in (1, 2, 8):
         for slots in (1, 2, 5, 17, 129):
@@ -5561,6 +5562,28 @@ def test_attention_wg_launch_plan():
         assert plan(2048)[0][0][0] == "attention.attn_fused_bf16_d256"
     finally:
         A.ATTN_FUSED_WG = saved
+
+
+def test_attention_split_plan():
+    """The decode launches (no device): attn_split grid (rows, Hkv, split_z), block D / 2, shared memory for the
+    position's G query rows and one zero row (attention_tile.cuh QR; 16 rows at most), so that 3 CTAs share an
+    H200 SM at D = 256, G = 2 (the sliding layers); then the combine."""
+    def plan(T, D=256, Hq=16, Hkv=8):
+        lg = _LaunchLog((9, 0))
+        arr = lambda shape, dt: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=1024, size=math.prod(shape))
+        q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), BF)
+        rs, tab, out = arr((T,), np.int32), arr((1, 70), np.int32), arr((T, Hq * D), BF)
+        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32))
+        return lg.launches, lg.blocks
+
+    launches, blocks = plan(64)
+    assert [f for f, *_ in launches] == ["attention.attn_split_bf16_d256", "attention.attn_combine_bf16"]
+    assert launches[0][1] == (64, 8, A.split_z(64, 8, 17)) and blocks[0] == (128, 1, 1), (launches, blocks)
+    # K and V chunks (64 rows of 2D + 16 bytes each), 3 Q rows, P (16 rows of 144 B), row max / sum, lo / hi / seq
+    assert launches[0][2] == A.attention_smem(256, 1, G=2) == 131 * 528 + 16 * 144 + 2 * 4 * 16 * 4 + 3 * 16 * 4
+    assert 3 * (launches[0][2] + 1024) <= 228 * 1024 < 3 * (A.attention_smem(256, 1) + 1024)   # + 1 KiB reserved
+    assert plan(1, Hq=16, Hkv=1)[0][0][2] == A.attention_smem(256, 1) == A.attention_smem(256, 1, G=16)
+    assert plan(5, D=512, Hkv=2)[0][0][2] == A.attention_smem(512, 1, G=8) == (128 + 9) * 1040 + 16 * 144 + 2 * 8 * 16 * 4 + 192
 
 
 # ====================================================================================================

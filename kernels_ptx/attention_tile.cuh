@@ -186,9 +186,10 @@ template <int D> struct AttnCfg {
     static constexpr int PROW = 2 * CHUNK + 16; // smem bytes per P row
 };
 // Dynamic smem of attn_tile<D, MT>: K, V chunks; Q tile; P tile; row max / sum per (m-tile, warp, row);
-// per-position lo, hi, seq. layers/attention.py: attention_smem() computes the same.
+// per-position lo, hi, seq. layers/attention.py: attention_smem() computes the same. The split tile keeps QR = G + 1
+// Q rows (at most 16), the fused one 16 MT:
 //   D=64: 23,360 / 28,288 B; D=128: 41,920 / 49,024 B; D=256: 79,040 / 90,496 / 113,408 B; D=512: 153,280 /
-//   173,440 B (split MT = 1 / fused MT = 2 / fused MT = 4).
+//   173,440 B (split with 16 Q rows / fused MT = 2 / fused MT = 4); split D = 256, G = 2: 72,176 B (3 CTAs an SM).
 
 // attn_tile<D, MT, SPLIT>: see the block comment above. Arguments:
 // q (T, Hq, D) bf16 (roped); pools (blocks, 16, Hkv, D) bf16; block_tables int32 (S, max_blocks); spans see
@@ -212,8 +213,11 @@ __device__ __forceinline__ void attn_tile(
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* Ks = smem;                                        // [64 keys][SROW]
     uint8_t* Vs = Ks + CHUNK * SROW;                           // [64 keys][SROW]
-    uint8_t* Qs = Vs + CHUNK * SROW;                           // [16 MT rows][SROW]
-    uint8_t* Ps = Qs + 16 * MT * SROW;                         // [16 MT rows][PROW]
+    uint8_t* Qs = Vs + CHUNK * SROW;                           // [QR rows][SROW]
+    // split: the one position's G rows, then a zero row that A rows G .. 15 read (QR = G + 1 <= 16: a CTA of
+    // smaller G takes less shared memory, so 3 share an SM at D = 256); fused: the 16 MT rows
+    const int QR = SPLIT ? min(Hq / Hkv + 1, 16) : 16 * MT;
+    uint8_t* Ps = Qs + QR * SROW;                              // [16 MT rows][PROW]
     float* red_max = reinterpret_cast<float*>(Ps + 16 * MT * PROW);   // [MT][NWG][16]
     float* red_sum = red_max + MT * NWG * 16;                  // [MT][NWG][16]
     int* p_lo = reinterpret_cast<int*>(red_sum + MT * NWG * 16);       // [16 MT] per position of the tile
@@ -256,7 +260,7 @@ __device__ __forceinline__ void attn_tile(
         const int idx = tid + it * NT, m = idx / PPR, pc = idx % PPR, pi = m / G;
         const bool ok = m < RP * G && p_seq[pi] >= 0;
         const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * D + 8 * pc : q;
-        cp_async16(Qs + m * SROW + 16 * pc, src, ok);
+        if (!SPLIT || m < QR) cp_async16(Qs + m * SROW + 16 * pc, src, ok);
     }
     // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read
     auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
@@ -298,7 +302,8 @@ __device__ __forceinline__ void attn_tile(
 #pragma unroll
                 for (int i = 0; i < 4; i++) s[n][i] = 0.f;
             {
-                const uint8_t* qa = Qs + (16 * mt + (lane & 15)) * SROW + 16 * (lane >> 4);
+                const int qr = 16 * mt + (lane & 15);
+                const uint8_t* qa = Qs + (SPLIT ? min(qr, QR - 1) : qr) * SROW + 16 * (lane >> 4);
                 const uint8_t* kb = Ks + (KW * wg + (lane & 7)) * SROW + 16 * ((lane >> 3) & 1);
 #pragma unroll 4
                 for (int ks = 0; ks < D / 16; ks++) {

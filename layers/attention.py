@@ -94,7 +94,7 @@ ATTN_WG_STAGES = 2                 # K / V stages of that tile (WNS in attention
 ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
-ATTN_SPLIT_CTAS = 512              # split grids aim at ~this many CTAs (2 per SM fit, 2 waves): split_z
+ATTN_SPLIT_CTAS = 1536             # split grids aim at ~this many CTAs (3 per SM fit at D = 256, ~4 waves): split_z
 
 
 def split_z(n, Hkv, slots):
@@ -102,7 +102,10 @@ def split_z(n, Hkv, slots):
     next chunk's K / V in flight, so when n * Hkv alone fills the GPU fewer, longer CTAs stream better than one
     chunk each (H200, 1k context, graph-replayed: sliding B = 64 205.6 us at Z = 17 -> 179.1 at Z = 2; B = 16
     57.9 -> 52.1 at Z = 4; full B = 64 129.2 -> 117.9 at Z = 4; BENCHMARKS.md, 7th session), while a single row
-    keeps Z = 17 (136 CTAs on a sliding layer). Speed only: the partials and their fold are the same."""
+    keeps Z = 17 (136 CTAs on a sliding layer). Since the split tile keeps only G + 1 query rows (3 CTAs an SM at
+    D = 256, G = 2), the target went 512 -> 1536 CTAs: H200, decode graphs at 1k context, b64 step 14,596 (16 Q rows,
+    512) -> 14,279 (G + 1 rows, 512) -> 14,293 (768) -> 14,099 us (1536); b16 7,414 -> 7,553 -> 7,313 -> 7,330;
+    b1 unchanged (BENCHMARKS.md, eighteenth session). Speed only: the partials and their fold are the same."""
     want = -(-ATTN_SPLIT_CTAS // max(1, n * Hkv))
     return max(1, min(slots, ATTN_SPLIT_Z, max(2, want)))
 
@@ -223,7 +226,7 @@ def attention_work(g, rows, Hq, D, max_keys):
     return g.empty((rows * Hq * attention_slots(max_keys) * (D + 2) + 4,), np.float32)
 
 
-def attention_smem(D, MT, wg=False):
+def attention_smem(D, MT, wg=False, G=None):
     """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
     attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
     max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q and ATTN_WG_STAGES stages of K and V (64
@@ -232,7 +235,8 @@ def attention_smem(D, MT, wg=False):
     if wg:
         return ((1 + 2 * ATTN_WG_STAGES) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4
                 + 2 * ATTN_WG_STAGES * 8)
-    return ((2 * ATTN_CHUNK + 16 * MT) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
+    qrows = 16 * MT if G is None else min(G + 1, 16)     # split (G given): the G rows and a zero row
+    return ((2 * ATTN_CHUNK + qrows) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
 
 
@@ -309,7 +313,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         for row0 in range(0, T, group):
             n = min(group, T - row0)
             g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots)), block=(D // 2, 1, 1),
-                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1))
+                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1, G=G))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
                            row0, Hq, D, slots, out])
