@@ -5583,7 +5583,8 @@ def test_attention_split_plan():
     assert launches[0][2] == A.attention_smem(256, 1, G=2) == 131 * 528 + 16 * 144 + 2 * 4 * 16 * 4 + 3 * 16 * 4
     assert 3 * (launches[0][2] + 1024) <= 228 * 1024 < 3 * (A.attention_smem(256, 1) + 1024)   # + 1 KiB reserved
     assert plan(1, Hq=16, Hkv=1)[0][0][2] == A.attention_smem(256, 1) == A.attention_smem(256, 1, G=16)
-    assert plan(5, D=512, Hkv=2)[0][0][2] == A.attention_smem(512, 1, G=8) == (128 + 9) * 1040 + 16 * 144 + 2 * 8 * 16 * 4 + 192
+    d512 = (128 + 9) * 1040 + 16 * 144 + 2 * 8 * 16 * 4 + 3 * 16 * 4                  # G = 8: 9 Q rows
+    assert plan(5, D=512, Hkv=2)[0][0][2] == A.attention_smem(512, 1, G=8) == d512
 
 
 # ====================================================================================================

@@ -231,7 +231,8 @@ def attention_smem(D, MT, wg=False, G=None):
     attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
     max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q and ATTN_WG_STAGES stages of K and V (64
     rows of 2D bytes, swizzled), P, row maxima of 2 warpgroups and sums of 4 key groups, lo / hi / seq, and the
-    stages' full / empty mbarriers."""
+    stages' full / empty mbarriers. G (the split tile, MT 1): its query heads a kv head; the tile then keeps G + 1
+    Q rows (at most 16; attention_tile.cuh QR), not 16."""
     if wg:
         return ((1 + 2 * ATTN_WG_STAGES) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4
                 + 2 * ATTN_WG_STAGES * 8)
