@@ -4086,19 +4086,24 @@ def test_gpu_attention_graph_capture(g):
 def test_attention_split_grid():
     """The split (decode) grid's chunk-slot columns (no device): a single row keeps one chunk per CTA up to the
     17 slots of a 1024-key window; batches that fill the GPU by rows x kv heads get fewer, longer CTAs, down to
-    2 per (row, head), never fewer than about ATTN_SPLIT_CTAS CTAs in all unless the cap binds, never more
-    columns than slots."""
-    assert A.split_z(1, 8, 17) == 17 and A.split_z(1, 2, 129) == 17
-    assert A.split_z(16, 8, 17) == 12 and A.split_z(64, 8, 17) == 3 and A.split_z(64, 2, 129) == 12   # 1536 CTAs
-    assert A.split_z(1, 1, 2) == 2 and A.split_z(64, 8, 1) == 1
-    for Hkv in (1, 2, 8):
-        for slots in (1, 2, 5, 17, 129):
-            zs = [A.split_z(n, Hkv, slots) for n in range(1, 65)]
-            assert zs == sorted(zs, reverse=True)                         # more rows, never more columns
-            for n, z in enumerate(zs, 1):
-                assert 1 <= z <= min(slots, A.ATTN_SPLIT_Z)
-                assert (z == min(slots, 2) or n * Hkv * z >= A.ATTN_SPLIT_CTAS
-                        or z == min(slots, A.ATTN_SPLIT_Z)), (n, Hkv, slots, z)
+    2 per (row, head), never fewer than about ATTN_SPLIT_WAVE CTAs for every CTA an SM holds unless the cap binds,
+    never more columns than slots. The sliding layers' tile (D 256, G 2) fits 3 an SM, the full layers' (512, 8) 1."""
+    assert A.split_fit(256, 2) == 3 and A.split_fit(512, 8) == 1
+    assert A.split_z(1, 8, 17, 256, 2) == 17 and A.split_z(1, 2, 129, 512, 8) == 17
+    assert A.split_z(16, 8, 17, 256, 2) == 12 and A.split_z(64, 8, 17, 256, 2) == 3      # 1536 CTAs
+    assert A.split_z(64, 2, 129, 512, 8) == 4 and A.split_z(16, 2, 129, 512, 8) == 16    # 512 CTAs
+    assert A.split_z(1, 1, 2, 256, 2) == 2 and A.split_z(64, 8, 1, 256, 2) == 1
+    for D, G in ((64, 16), (256, 2), (512, 8)):
+        target = A.ATTN_SPLIT_WAVE * A.split_fit(D, G)
+        for Hkv in (1, 2, 8):
+            for slots in (1, 2, 5, 17, 129):
+                zs = [A.split_z(n, Hkv, slots, D, G) for n in range(1, 65)]
+                assert zs == sorted(zs, reverse=True)                     # more rows, never more columns
+                for n, z in enumerate(zs, 1):
+                    assert 1 <= z <= min(slots, A.ATTN_SPLIT_Z)
+                    assert (z == min(slots, 2) or n * Hkv * z >= target
+                            or z == min(slots, A.ATTN_SPLIT_Z)), (D, G, n, Hkv, slots, z)
+                    assert z == min(slots, 2) or n * Hkv * (z - 1) < target or z == min(slots, A.ATTN_SPLIT_Z)
 
 
 @needs_gpu
@@ -5578,7 +5583,7 @@ def test_attention_split_plan():
 
     launches, blocks = plan(64)
     assert [f for f, *_ in launches] == ["attention.attn_split_bf16_d256", "attention.attn_combine_bf16"]
-    assert launches[0][1] == (64, 8, A.split_z(64, 8, 17)) and blocks[0] == (128, 1, 1), (launches, blocks)
+    assert launches[0][1] == (64, 8, A.split_z(64, 8, 17, 256, 2)) and blocks[0] == (128, 1, 1), (launches, blocks)
     # K and V chunks (64 rows of 2D + 16 bytes each), 3 Q rows, P (16 rows of 144 B), row max / sum, lo / hi / seq
     assert launches[0][2] == A.attention_smem(256, 1, G=2) == 131 * 528 + 16 * 144 + 2 * 4 * 16 * 4 + 3 * 16 * 4
     assert 3 * (launches[0][2] + 1024) <= 228 * 1024 < 3 * (A.attention_smem(256, 1) + 1024)   # + 1 KiB reserved

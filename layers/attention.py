@@ -94,19 +94,28 @@ ATTN_WG_STAGES = 2                 # K / V stages of that tile (WNS in attention
 ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
-ATTN_SPLIT_CTAS = 1536             # split grids aim at ~this many CTAs (3 per SM fit at D = 256, ~4 waves): split_z
+ATTN_SPLIT_WAVE = 512              # split grids aim at ~this many CTAs per CTA an SM holds (~4 waves on 132 SMs):
+                                   # split_z
+SM_SMEM = 228 * 1024               # shared memory of an sm_90 SM; each resident CTA also takes 1 KiB (reserved)
 
 
-def split_z(n, Hkv, slots):
-    """Chunk-slot columns Z of a split launch over n rows (grid (n, Hkv, Z)). Each CTA walks its slots with the
-    next chunk's K / V in flight, so when n * Hkv alone fills the GPU fewer, longer CTAs stream better than one
-    chunk each (H200, 1k context, graph-replayed: sliding B = 64 205.6 us at Z = 17 -> 179.1 at Z = 2; B = 16
-    57.9 -> 52.1 at Z = 4; full B = 64 129.2 -> 117.9 at Z = 4; BENCHMARKS.md, 7th session), while a single row
-    keeps Z = 17 (136 CTAs on a sliding layer). Since the split tile keeps only G + 1 query rows (3 CTAs an SM at
-    D = 256, G = 2), the target went 512 -> 1536 CTAs: H200, decode graphs at 1k context, b64 step 14,596 (16 Q rows,
-    512) -> 14,279 (G + 1 rows, 512) -> 14,293 (768) -> 14,099 us (1536); b16 7,414 -> 7,553 -> 7,313 -> 7,330;
-    b1 unchanged (BENCHMARKS.md, eighteenth session). Speed only: the partials and their fold are the same."""
-    want = -(-ATTN_SPLIT_CTAS // max(1, n * Hkv))
+def split_fit(D, G):
+    """CTAs of attn_split_bf16_d{D} an SM holds for G query heads a kv head: its shared memory binds (D = 256,
+    G = 2: 72,176 B, 3; D = 512, G = 8: 146,000 B, 1)."""
+    return max(1, SM_SMEM // (attention_smem(D, 1, G=G) + 1024))
+
+
+def split_z(n, Hkv, slots, D, G):
+    """Chunk-slot columns Z of a split launch over n rows (grid (n, Hkv, Z)) for head_dim D, G query heads a kv
+    head. Each CTA walks its slots with the next chunk's K / V in flight, so when n * Hkv alone fills the GPU
+    fewer, longer CTAs stream better than one chunk each (H200, 1k context, graph-replayed: sliding B = 64 205.6 us
+    at Z = 17 -> 179.1 at Z = 2; B = 16 57.9 -> 52.1 at Z = 4; full B = 64 129.2 -> 117.9 at Z = 4; BENCHMARKS.md,
+    7th session), while a single row keeps Z = 17 (136 CTAs on a sliding layer). The grid aims at ATTN_SPLIT_WAVE
+    CTAs for every CTA an SM holds (split_fit): 1536 at D = 256, G = 2 (3 an SM), where the target was measured
+    (decode graphs at 1k context, b64 step 14,596 us (16 Q rows, 512 CTAs) -> 14,099 (G + 1 rows, 1536); eighteenth
+    session), and 512 at D = 512, G = 8 (1 an SM: Z = 4 at batch 64, not 12). Speed only: the partials and their
+    fold are the same."""
+    want = -(-ATTN_SPLIT_WAVE * split_fit(D, G) // max(1, n * Hkv))
     return max(1, min(slots, ATTN_SPLIT_Z, max(2, want)))
 
 
@@ -254,7 +263,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN.
     Two launch shapes with the same per-(row, chunk) arithmetic, picked by T only (every grid depends on T and
     max_keys only, never on the data: CUDA-graph safe):
-      T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, split_z(n, Hkv, slots)), block D/2,
+      T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, split_z(n, Hkv, slots, D, G)), block D/2,
         one CTA per (row, kv head, chunk slot column) writing partials to `work`, then attn_combine_bf16
         grid (n, Hq), block D/4. work: float32 scratch (attention_work); None allocates (and frees) one of at
         most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
@@ -313,7 +322,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     try:
         for row0 in range(0, T, group):
             n = min(group, T - row0)
-            g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots)), block=(D // 2, 1, 1),
+            g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots, D, G)), block=(D // 2, 1, 1),
                      args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1, G=G))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
