@@ -5531,17 +5531,19 @@ def test_qkv_prep_launch_plan():
 def test_attention_wg_launch_plan():
     """layers.attention's launcher (no device): prompts (T > ATTN_SPLIT_ROWS) of the sliding layers (D = 256) go to the
     wgmma tile on sm_90 only, with the mma.sync tile's grid, ATTN_WG_THREADS threads and attention_smem(256, 4, wg=True)
-    bytes, which equal the kernel file's layout (Q and WNS stages of K and V, P, maxima, sums, lo / hi / seq, 2 WNS
-    mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG = None keep
+    bytes, which equal the kernel file's layout (Q, WKS stages of K and WVS of V, P, maxima, sums, lo / hi / seq,
+    2 (WKS + WVS) mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG = None keep
     attention.cu's kernels."""
     here = os.path.dirname(os.path.abspath(__file__))
     src = "".join(open(os.path.join(here, "kernels_ptx", f)).read() for f in ("attention_tile.cuh", "attention_sm90a.cu"))
     d = {}
     for name, expr in re.findall(r"^#define (W[A-Z_]+|CHUNK)\s+((?:(?!//)[^\n])+?)\s*(?://.*)?$", src, re.M):
         d[name] = int(eval(expr.replace("/", "//"), {}, dict(d)))
-    assert A.ATTN_WG_STAGES == d["WNS"] and A.ATTN_WG_THREADS == d["WNT"] + d["WLT"], d
-    smem = ((1 + 2 * d["WNS"]) * d["WTILE"] + d["WROWS"] * d["WPROW"] + (2 + 4) * d["WROWS"] * 4
-            + 3 * d["WROWS"] * 4 + 2 * d["WNS"] * 8)
+    assert (A.ATTN_WG_K_STAGES, A.ATTN_WG_V_STAGES) == (d["WKS"], d["WVS"]), d
+    assert A.ATTN_WG_THREADS == d["WNT"] + d["WLT"], d
+    st = d["WKS"] + d["WVS"]
+    smem = ((1 + st) * d["WTILE"] + d["WROWS"] * d["WPROW"] + (2 + 4) * d["WROWS"] * 4 + 3 * d["WROWS"] * 4
+            + 2 * st * 8)
     assert A.attention_smem(256, 4, wg=True) == smem <= 227 * 1024, smem
     assert d["WNT"] * d["WREG_COMPUTE"] + d["WLT"] * d["WREG_LOAD"] <= 65536     # setmaxnreg's budgets fit the SM
 

@@ -1,17 +1,23 @@
 // The fused prefill attention of the sliding layers (head_dim 256) on wgmma (sm_90a): attn_fused_wg_bf16_d256, the
 // bytes of attention.cu's attn_fused_bf16_d256 (its header states the arithmetic) at a higher rate: 2,048-token
-// sliding prefill 255.4 -> 207.7 us on the H200 (2026-11-30, BENCHMARKS.md fifteenth session).
+// sliding prefill 255.4 -> 207.7 us on the H200 (2026-11-30, BENCHMARKS.md fifteenth session); then 207.6 -> 194.9 us
+// with K and V handed over apart, and -> 193.3 us with S issued a chunk ahead (507 tokens: 33.4 -> 32.2 us;
+// graph-replayed, BENCHMARKS.md nineteenth session).
 //
 // Same tile, other work split. A CTA takes 64 query rows (RP = 64 / G positions of one kv head, as the mma.sync tile
 // with MT = 4) and walks the same chunks in the same passes. Warpgroups 0 and 1 compute, warpgroup 2 loads:
 //   - S = Q K^T: compute warpgroup j takes the 64 rows x keys 32 j .. 32 j + 31 of the chunk (m64n32k16, d ascending
 //     16 a step, both operands from shared memory), i.e. the key groups 2 j, 2 j + 1 of the mma.sync tile's 16-key
-//     warps. Chunk c + 1's S is issued before chunk c's fold, so the two overlap.
+//     warps. Chunk c + 1's S is issued as soon as chunk c's is done, so it runs during chunk c's softmax, P.V and
+//     fold (issued after P.V, it had overlapped the fold only, and ptxas serialized the wgmmas for want of registers:
+//     C7511).
 //   - P.V: warpgroup j takes the 64 rows x columns 128 j .. 128 j + 127 over all 64 keys (m64n128k16, keys ascending
 //     16 a step, P from registers, V transposed (MN-major) from shared memory).
 //   - the loader (128 threads, setmaxnreg: 56 registers a thread, the compute threads 224) copies Q once, then each
-//     chunk's K and V (cp.async, zero fill for keys outside the pass's range, as the mma.sync tile) into one of WNS
-//     stages, handed over by mbarriers (full: landed and fenced for the tensor cores; empty: both warpgroups done).
+//     chunk's K into one of WKS stages and its V into one of WVS (cp.async, zero fill for keys outside the pass's
+//     range, as the mma.sync tile), handed over by mbarriers (full: landed and fenced for the tensor cores; empty:
+//     both warpgroups done, with K after S, with V after P.V). K and V are apart so that a chunk's S need not wait
+//     for its V, nor the next K for this chunk's P.V. (WKS = 3 was slower: 231.4 us, with 208 KB of shared memory.)
 // Why the bits are the mma.sync tile's:
 //   - each 16-wide k step of a wgmma computes what mma.sync m16n8k16 computes from the same operands (measured before
 //     the first wgmma kernel: linear_sm90a.cu's header; A from shared memory and the transposed B here too: every byte
@@ -20,11 +26,11 @@
 //   - the row sum of p keeps the mma.sync tile's order: per 16-key group, the lane's two 8-key n-tiles in order, the
 //     quad butterfly, then the groups 0 .. 3 in order (a warpgroup writes its two groups' partials apart);
 //   - max, the masks, exp, bf16(p), the fold and the final division are the same code (attention_tile.cuh).
-// Shared memory: Q and WNS stages of K and V, each [D/64][64 rows][128 B] with the 16-byte pieces of a row's 128 bytes
-// XOR-swizzled by row % 8 (wgmma's 128-byte swizzle; a loader warp copies one 512-byte row, whole lines both sides: the
-// unswizzled core-matrix layout split every copy into 32-byte requests and ran at 316 us), P as [64 rows][144 B]
-// (ldmatrix), row maxima [2][64], row sum partials [4][64], per position lo, hi, seq, and the 2 WNS mbarriers:
-// 175,392 bytes (layers/attention.py attention_smem(256, 4, wg=True)); the base must be 1024-byte aligned.
+// Shared memory: Q, WKS stages of K and WVS of V, each [D/64][64 rows][128 B] with the 16-byte pieces of a row's 128
+// bytes XOR-swizzled by row % 8 (wgmma's 128-byte swizzle; a loader warp copies one 512-byte row, whole lines both
+// sides: the unswizzled core-matrix layout split every copy into 32-byte requests and ran at 316 us), P as [64 rows]
+// [144 B] (ldmatrix), row maxima [2][64], row sum partials [4][64], per position lo, hi, seq, and the 2 (WKS + WVS)
+// mbarriers: 175,424 bytes (layers/attention.py attention_smem(256, 4, wg=True)); the base must be 1024-byte aligned.
 #include "pdl.cuh"
 #include "attention_tile.cuh"
 #include "wgmma.cuh"
@@ -36,12 +42,16 @@
 #define WATOM (WROWS * 128)                     // bytes of 64 d values of a K / V / Q tile: 64 rows x 128 B
 #define WTILE (WD / 64 * WATOM)                 // bytes of a K / V / Q tile
 #define WPROW (2 * CHUNK + 16)                  // bytes per P row
-#define WNS 2                                   // K / V stages
+#define WKS 2                                   // K stages
+#define WVS 2                                   // V stages
 #define WLT 128                                 // loader threads: warpgroup 2, after the 2 compute warpgroups
 #define WREG_LOAD 56                            // registers a thread (setmaxnreg): the loader gives, the compute takes
 #define WREG_COMPUTE 224
-__device__ __forceinline__ uint32_t wg_full(uint32_t bars, int st) { return bars + 8 * st; }
-__device__ __forceinline__ uint32_t wg_empty(uint32_t bars, int st) { return bars + 8 * (WNS + st); }
+// mbarriers: K full [WKS], V full [WVS], K empty [WKS], V empty [WVS]
+__device__ __forceinline__ uint32_t wg_fk(uint32_t bars, int st) { return bars + 8 * st; }
+__device__ __forceinline__ uint32_t wg_fv(uint32_t bars, int st) { return bars + 8 * (WKS + st); }
+__device__ __forceinline__ uint32_t wg_ek(uint32_t bars, int st) { return bars + 8 * (WKS + WVS + st); }
+__device__ __forceinline__ uint32_t wg_ev(uint32_t bars, int st) { return bars + 8 * (2 * WKS + WVS + st); }
 
 // wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading / stride byte
 // offsets (16-byte units). Q and K (K-major): stride 1024 (the next 8 rows), leading unused (16); a k step of 16 d
@@ -60,10 +70,11 @@ __device__ __forceinline__ uint32_t wg_dst(int i) {
     return (pc >> 3) * WATOM + row * 128 + (((pc & 7) ^ (row & 7)) << 4);
 }
 
-// The loader warps: Q once, then every chunk's K and V into stage m % WNS (m counts the tile's chunks over its
-// passes) once the compute warps have freed it (empty), handed over (full) once landed and fenced for the tensor
-// cores. (The compute warps wait for chunk m + 1 before they free chunk m, so the loader must not hold chunk m back
-// until m + 1 is issued.)
+// The loader warps: Q once, then every chunk's K into stage m % WKS and its V into stage m % WVS (m counts the
+// tile's chunks over its passes), each once the compute warps have freed it (empty: K after S, V after P.V), handed
+// over (full) once landed and fenced for the tensor cores. K and V are separate cp.async groups, K first, so that a
+// chunk's S can start while its V is still on the way: chunk m's K is handed over once V(m) is issued, V(m) once
+// K(m + 1) is (the groups land in order).
 __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
                                         const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ block_tables,
                                         int max_blocks, int row0, int lr0, int Hq, int Hkv, int G, int RP,
@@ -83,41 +94,50 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
     int seq, kmin, kmax;
     while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
-        for (int c = kmin / CHUNK; c <= kmax / CHUNK; c++, m++) {
-            const int st = m % WNS;
-            if (m >= WNS) mbar_wait(wg_empty(bars, st), ((m / WNS) & 1) ^ 1);
-            uint8_t* kd = Ks + st * WTILE;
-            uint8_t* vd = Vs + st * WTILE;
+        // one chunk's K or V (keys outside [kmin, kmax]: zeros, not read) into the stage at d
+        auto load = [&](const __nv_bfloat16* __restrict__ pool, uint8_t* d, int c) {
 #pragma unroll 4
-            for (int it = 0; it < CHUNK * WPPR / WLT; it++) {   // keys outside [kmin, kmax]: zeros, not read
+            for (int it = 0; it < CHUNK * WPPR / WLT; it++) {
                 const int idx = lt + it * WLT, kk = idx >> 5, pc = idx & 31, jj = c * CHUNK + kk;
                 const bool ok = jj >= kmin && jj <= kmax;
                 size_t off = 0;
                 if (ok) off = ((size_t)bt[jj / KV_BLOCK] * KV_BLOCK + jj % KV_BLOCK) * HD + (size_t)kvh * WD + 8 * pc;
-                cp_async16(kd + wg_dst(idx), k_pool + off, ok);
-                cp_async16(vd + wg_dst(idx), v_pool + off, ok);
+                cp_async16(d + wg_dst(idx), pool + off, ok);
             }
             cp_async_commit();
-            cp_async_wait<0>();                                 // landed: hand it over
+        };
+        for (int c = kmin / CHUNK; c <= kmax / CHUNK; c++, m++) {
+            if (m >= WKS) mbar_wait(wg_ek(bars, m % WKS), ((m / WKS) & 1) ^ 1);
+            load(k_pool, Ks + (m % WKS) * WTILE, c);
+            if (m > 0) {                                        // V(m - 1) landed (K(m) may not have)
+                cp_async_wait<1>();
+                fence_proxy_async();
+                mbar_arrive(wg_fv(bars, (m - 1) % WVS));
+            }
+            if (m >= WVS) mbar_wait(wg_ev(bars, m % WVS), ((m / WVS) & 1) ^ 1);
+            load(v_pool, Vs + (m % WVS) * WTILE, c);
+            cp_async_wait<1>();                                 // K(m) (and Q) landed (V(m) may not have)
             fence_proxy_async();
-            mbar_arrive(wg_full(bars, st));
+            mbar_arrive(wg_fk(bars, m % WKS));
         }
     }
-    cp_async_wait<0>();                                         // (Q alone, when the tile has no chunk)
+    cp_async_wait<0>();                                         // the last V (or Q alone, when the tile has no chunk)
+    fence_proxy_async();
+    if (m > 0) mbar_arrive(wg_fv(bars, (m - 1) % WVS));
 }
 
 __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     extern __shared__ __align__(1024) uint8_t smem[];          // (the swizzle needs 1024-byte aligned atoms)
     uint8_t* Qs = smem;                                        // [D/64][64 rows][128 B], swizzled (wg_dst)
-    uint8_t* Ks = Qs + WTILE;                                  // WNS stages, the same layout
-    uint8_t* Vs = Ks + WNS * WTILE;                            // WNS stages, the same layout
-    uint8_t* Ps = Vs + WNS * WTILE;                            // [64 rows][WPROW]
+    uint8_t* Ks = Qs + WTILE;                                  // WKS stages, the same layout
+    uint8_t* Vs = Ks + WKS * WTILE;                            // WVS stages, the same layout
+    uint8_t* Ps = Vs + WVS * WTILE;                            // [64 rows][WPROW]
     float* red_max = reinterpret_cast<float*>(Ps + WROWS * WPROW);   // [2 warpgroups][64 rows]
     float* red_sum = red_max + 2 * WROWS;                      // [4 key groups][64 rows]
     int* p_lo = reinterpret_cast<int*>(red_sum + 4 * WROWS);   // [64] per position of the tile
     int* p_hi = p_lo + WROWS;
     int* p_seq = p_hi + WROWS;                                 // -1: past the launch's rows
-    const uint32_t bars = smem_u32(p_seq + WROWS);             // full[WNS], empty[WNS] (8 bytes each)
+    const uint32_t bars = smem_u32(p_seq + WROWS);             // wg_fk .. wg_ev (8 bytes each)
 
     if (threadIdx.x == 0 && (smem_u32(smem) & 1023)) __trap();   // loudly: the swizzle would read other bytes
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -128,9 +148,13 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
 
     if (tid < RP) tile_position(tid, lr0, row0, nrows, rows_seq, rows_pos, spans, n_spans, window, sliding, p_lo, p_hi,
                                 p_seq);
-    if (tid < WNS) {
-        mbar_init(wg_full(bars, tid), WLT);                    // full: the loader's threads
-        mbar_init(wg_empty(bars, tid), WNT / 32);              // empty: the 8 compute warps
+    if (tid < WKS) {
+        mbar_init(wg_fk(bars, tid), WLT);                      // full: the loader's threads
+        mbar_init(wg_ek(bars, tid), WNT / 32);                 // empty: the 8 compute warps
+    }
+    if (tid < WVS) {
+        mbar_init(wg_fv(bars, tid), WLT);
+        mbar_init(wg_ev(bars, tid), WNT / 32);
     }
     __syncthreads();
     if (tid >= WNT) {
@@ -160,29 +184,31 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
         int rlo[2], rhi[2];
         pass_rows(rok, rpi, seq, p_seq, p_lo, p_hi, ract, rlo, rhi);
         const int cb = kmin / CHUNK, ce = kmax / CHUNK;
-        float s[16];
-        // S of chunk m (stage m % WNS, once landed): rows 0..63 x keys 32 j + 8n + 2qd (+1), n = 0..3; 16 steps of
-        // 16 d, committed as one group. Chunk c + 1's is issued before chunk c's fold (overlapping it).
-        auto issue_s = [&](uint32_t mm) {
-            mbar_wait(wg_full(bars, mm % WNS), (mm / WNS) & 1);   // K, V (and Q) landed
-            const uint32_t ka = ks_base + (mm % WNS) * WTILE;
+        float s[16], sn[16];
+        // S of chunk m into t (K stage m % WKS, once landed): rows 0..63 x keys 32 j + 8n + 2qd (+1), n = 0..3; 16
+        // steps of 16 d, committed as one group. Chunk c + 1's (into sn) is issued as soon as chunk c's is done, so
+        // it runs during chunk c's softmax, P.V and fold.
+        auto issue_s = [&](float (&t)[16], uint32_t mm) {
+            mbar_wait(wg_fk(bars, mm % WKS), (mm / WKS) & 1);     // K (and Q) landed
+            const uint32_t ka = ks_base + (mm % WKS) * WTILE;
 #pragma unroll
-            for (int i = 0; i < 16; i++) s[i] = 0.f;
+            for (int i = 0; i < 16; i++) t[i] = 0.f;
             wg_fence();
-            fence_acc(s);
+            fence_acc(t);
 #pragma unroll
             for (int ks = 0; ks < WD / 16; ks++)
-                wgmma_ss32(s, sw_desc(qs_addr + (ks >> 2) * WATOM + (ks & 3) * 32, 16, 1024),
+                wgmma_ss32(t, sw_desc(qs_addr + (ks >> 2) * WATOM + (ks & 3) * 32, 16, 1024),
                            sw_desc(ka + (ks >> 2) * WATOM + (ks & 3) * 32 + 32 * j * 128, 16, 1024));
             wg_commit();
-            fence_acc(s);
+            fence_acc(t);
         };
-        issue_s(m);
+        issue_s(s, m);
         for (int c = cb; c <= ce; c++, m++) {
-            const int st = m % WNS;
-            const uint32_t vs_addr = vs_base + st * WTILE;
+            const uint32_t vs_addr = vs_base + (m % WVS) * WTILE;
             wg_wait<0>();                                       // S(c) done (nothing else is pending)
             fence_acc(s);
+            if (lane == 0) mbar_arrive(wg_ek(bars, m % WKS));   // this warp is done with K stage m % WKS
+            if (c < ce) issue_s(sn, m + 1);
 
             // mask (select) and row max over this warpgroup's 32 keys
             float mx[2] = {NEG, NEG};
@@ -254,6 +280,7 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
                 uint32_t a[CHUNK / 16][4];
 #pragma unroll
                 for (int ks = 0; ks < CHUNK / 16; ks++) ldsm_x4(a[ks], pa + 32 * ks);
+                mbar_wait(wg_fv(bars, m % WVS), (m / WVS) & 1);     // V landed
                 wg_fence();
                 fence_acc(o);
 #pragma unroll
@@ -262,14 +289,10 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
                 wg_commit();
                 fence_acc(o);
             }
-            if (c < ce) {
-                issue_s(m + 1);
-                wg_wait<1>();                                   // P.V(c) done (S(c + 1) may run on)
-            } else {
-                wg_wait<0>();
-            }
+            wg_wait<0>();                                       // P.V(c) done (and S(c + 1), issued before it)
             fence_acc(o);
-            if (lane == 0) mbar_arrive(wg_empty(bars, st));     // this warp is done with stage st
+            fence_acc(sn);
+            if (lane == 0) mbar_arrive(wg_ev(bars, m % WVS));   // this warp is done with V stage m % WVS
 #pragma unroll
             for (int rr = 0; rr < 2; rr++) {                    // fold into the running state
                 if (!(ract[rr] && c >= rlo[rr] / CHUNK && c <= rhi[rr] / CHUNK)) continue;
@@ -280,6 +303,8 @@ __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
                     A[4 * n + 2 * rr + 1] = fold_acc(A[4 * n + 2 * rr + 1], o[4 * n + 2 * rr + 1], fw);
                 }
             }
+#pragma unroll
+            for (int i = 0; i < 16; i++) s[i] = sn[i];          // S(c + 1) (unused after the pass's last chunk)
         }
     }
 

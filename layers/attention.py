@@ -88,9 +88,10 @@ ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode,
 ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA by D (FMT in attention.cu)
 # The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs, D = 256: the sliding layers), the
 # same bytes as attn_fused_bf16_d256; None: the mma.sync tile everywhere. H200, 2026-11-30, 2,048-token sliding
-# prefill (graph-replayed): 255.4 -> 207.7 us.
+# prefill (graph-replayed): 255.4 -> 207.7 us; 193.3 us since K and V are handed over apart (nineteenth session).
 ATTN_FUSED_WG = "attn_fused_wg_bf16_d256"
-ATTN_WG_STAGES = 2                 # K / V stages of that tile (WNS in attention_sm90a.cu)
+ATTN_WG_K_STAGES = 2               # K stages of that tile (WKS in attention_sm90a.cu)
+ATTN_WG_V_STAGES = 2               # V stages (WVS)
 ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
@@ -238,13 +239,13 @@ def attention_work(g, rows, Hq, D, max_keys):
 def attention_smem(D, MT, wg=False, G=None):
     """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
     attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
-    max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q and ATTN_WG_STAGES stages of K and V (64
-    rows of 2D bytes, swizzled), P, row maxima of 2 warpgroups and sums of 4 key groups, lo / hi / seq, and the
-    stages' full / empty mbarriers. G (the split tile, MT 1): its query heads a kv head; the tile then keeps G + 1
-    Q rows (at most 16; attention_tile.cuh QR), not 16."""
+    max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q, ATTN_WG_K_STAGES stages of K and
+    ATTN_WG_V_STAGES of V (64 rows of 2D bytes, swizzled), P, row maxima of 2 warpgroups and sums of 4 key groups,
+    lo / hi / seq, and the stages' full / empty mbarriers. G (the split tile, MT 1): its query heads a kv head; the
+    tile then keeps G + 1 Q rows (at most 16; attention_tile.cuh QR), not 16."""
     if wg:
-        return ((1 + 2 * ATTN_WG_STAGES) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4
-                + 2 * ATTN_WG_STAGES * 8)
+        st = ATTN_WG_K_STAGES + ATTN_WG_V_STAGES
+        return (1 + st) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4 + 2 * st * 8
     qrows = 16 * MT if G is None else min(G + 1, 16)     # split (G given): the G rows and a zero row
     return ((2 * ATTN_CHUNK + qrows) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
