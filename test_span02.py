@@ -5532,8 +5532,8 @@ def test_attention_wg_launch_plan():
     """layers.attention's launcher (no device): prompts (T > ATTN_SPLIT_ROWS) of the sliding layers (D = 256) go to the
     wgmma tile on sm_90 only, with the mma.sync tile's grid, ATTN_WG_THREADS threads and attention_smem(256, 4, wg=True)
     bytes, which equal the kernel file's layout (Q, WKS stages of K and WVS of V, P, maxima, sums, lo / hi / seq,
-    2 (WKS + WVS) mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG = None keep
-    attention.cu's kernels."""
+    2 (WKS + WVS) mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG =
+    None keep attention.cu's kernels."""
     here = os.path.dirname(os.path.abspath(__file__))
     src = "".join(open(os.path.join(here, "kernels_ptx", f)).read() for f in ("attention_tile.cuh", "attention_sm90a.cu"))
     d = {}

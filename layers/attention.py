@@ -114,8 +114,8 @@ def split_z(n, Hkv, slots, D, G):
     7th session), while a single row keeps Z = 17 (136 CTAs on a sliding layer). The grid aims at ATTN_SPLIT_WAVE
     CTAs for every CTA an SM holds (split_fit): 1536 at D = 256, G = 2 (3 an SM), where the target was measured
     (decode graphs at 1k context, b64 step 14,596 us (16 Q rows, 512 CTAs) -> 14,099 (G + 1 rows, 1536); eighteenth
-    session), and 512 at D = 512, G = 8 (1 an SM: Z = 4 at batch 64, not 12). Speed only: the partials and their
-    fold are the same."""
+    session), and 512 at D = 512, G = 8 (1 an SM: Z = 4 at batch 64, not 12; b64 step 14,060.6 -> 14,017.1 us,
+    nineteenth session). Speed only: the partials and their fold are the same."""
     want = -(-ATTN_SPLIT_WAVE * split_fit(D, G) // max(1, n * Hkv))
     return max(1, min(slots, ATTN_SPLIT_Z, max(2, want)))
 
