@@ -115,6 +115,19 @@ __device__ __forceinline__ bool next_pass(unsigned long long& done, const int* p
 // Per (row, chunk) the instruction sequence is the same in both kernels (attn_tile's body), hence the bits.
 // ---------------------------------------------------------------------------------------------------------
 
+// Rows g and g + 8 (out[0], out[1]) of the NWG warps' per-row partials red[w * 16 + row], joined in warp order
+// 0 .. NWG-1 by op (the row max and the row sum of the mma.sync tile).
+template <int NWG, class Op>
+__device__ __forceinline__ void over_warps(const float* red, int g, float (&out)[2], Op op) {
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        float v = red[g + 8 * rr];
+#pragma unroll
+        for (int w = 1; w < NWG; w++) v = op(v, red[w * 16 + g + 8 * rr]);
+        out[rr] = v;
+    }
+}
+
 // e^x = 2^(x * log2 e): one rounded multiply, then ex2.approx.ftz (rel. error ~2^-22). Inline PTX, so every
 // kernel (split, fused, combine) runs the same two instructions. exp(-inf) = +0, exp(0) = 1.
 __device__ __forceinline__ float exp_fixed(float x) {
@@ -346,13 +359,7 @@ __device__ __forceinline__ void attn_tile(
             // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: lane sum (n ascending), quad
             //     butterfly, then the warps in order 0..NWG-1 ---
             float mrow[2], lsum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                float v = rmax[g + 8 * rr];
-#pragma unroll
-                for (int w = 1; w < NWG; w++) v = fmaxf(v, rmax[w * 16 + g + 8 * rr]);
-                mrow[rr] = v;
-            }
+            over_warps<NWG>(rmax, g, mrow, [](float x, float y) { return fmaxf(x, y); });
             {
                 uint8_t* pw = Ps + (16 * mt + g) * PROW + 2 * (KW * wg + 2 * qd);
 #pragma unroll
@@ -378,13 +385,7 @@ __device__ __forceinline__ void attn_tile(
             cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
             __syncthreads();                                    // ... for everyone; P and the sums visible
             float lrow[2];
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                float v = rsum[g + 8 * rr];
-#pragma unroll
-                for (int w = 1; w < NWG; w++) v = __fadd_rn(v, rsum[w * 16 + g + 8 * rr]);
-                lrow[rr] = v;
-            }
+            over_warps<NWG>(rsum, g, lrow, [](float x, float y) { return __fadd_rn(x, y); });
 
             // --- acc = P V for rows of m-tile mt, columns 64 wg + 8n + (0..7): keys ascending, 16 per mma ---
             float o[8][4];
