@@ -4594,6 +4594,39 @@ def test_gpu_fp4_repack(g):
         assert got.tobytes() == moe.fp4_device_words(raw).tobytes()
 
 
+_SCALE_SHAPES = ((2, 32, 176), (3, 48, 44), (16, 3), (128, 704, 44))
+
+
+def test_fp4_scale_blocks():
+    """The expert scales' device layout (layers/moe.py fp4_scale_blocks, applied at upload): scale column c of row r
+    lands at moe_common.cuh scale_row(r, K) + 128 (c // 8) + c % 8 and the padding is zero, for K / 16 a multiple of 8
+    (176, the real gate / up) or not (44, the real down; 3), one and several experts."""
+    rng = np.random.default_rng(32)
+    for shape in _SCALE_SHAPES:
+        s = rng.integers(0, 256, shape, dtype=np.uint8)
+        got = moe.fp4_scale_blocks(s).reshape(-1)
+        kb, nsu = shape[-1], -(-shape[-1] // 8)
+        flat = s.reshape(-1, kb)
+        r, c = np.meshgrid(np.arange(flat.shape[0]), np.arange(kb), indexing='ij')
+        off = (r >> 4) * nsu * 128 + (r & 15) * 8 + 128 * (c // 8) + c % 8            # scale_row(r, 16 kb) + ...
+        assert np.array_equal(got[off], flat) and got.size == flat.shape[0] * nsu * 8, shape
+        pad = np.ones(got.size, bool)
+        pad[off.reshape(-1)] = False
+        assert not got[pad].any(), shape
+
+
+@needs_gpu
+def test_gpu_fp4_scale_blocks(g):
+    """moe_scale_blocks (what upload_experts runs) gives fp4_scale_blocks' bytes, on test_fp4_scale_blocks' shapes."""
+    rng = np.random.default_rng(33)
+    for shape in _SCALE_SHAPES:
+        s = rng.integers(0, 256, shape, dtype=np.uint8)
+        d = moe.fp4_scale_blocks_gpu(g, s)
+        got = g.download(d)
+        g.free(d)
+        assert got.tobytes() == moe.fp4_scale_blocks(s).tobytes(), shape
+
+
 POOL = np.concatenate([[0, 5, 127], np.arange(10, 120, 3)])    # 40 experts used; the other 88 get no tokens
 
 

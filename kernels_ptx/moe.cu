@@ -161,6 +161,24 @@ extern "C" __global__ void __launch_bounds__(256) moe_fp4_repack(uint32_t* __res
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) w[i] = fp4_device_word(w[i]);
 }
 
+// The NVFP4 block scales into the device scale layout (moe_common.cuh scale_row), once at upload: src (rows, kb) e4m3
+// bytes (rows % 16 == 0: the expert stack's rows one after the other), dst [rows / 16][nsu][16][8], nsu = ceil(kb / 8),
+// zeros past kb. One 8-byte word of dst a thread, grid-stride. (layers/moe.py fp4_scale_blocks is its numpy twin.)
+extern "C" __global__ void __launch_bounds__(256) moe_scale_blocks(const uint8_t* __restrict__ src,
+                                                                   uint2* __restrict__ dst, int rows, int kb) {
+    const int nsu = (kb + 7) >> 3, words = (rows >> 4) * nsu * 16;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) {
+        const int blk = i / (nsu * 16), su = (i >> 4) % nsu, r = 16 * blk + (i & 15);
+        uint32_t v[2] = {0u, 0u};
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+            const int c = 8 * su + b;
+            if (c < kb) v[b >> 2] |= (uint32_t)src[(size_t)r * kb + c] << (8 * (b & 3));
+        }
+        dst[i] = make_uint2(v[0], v[1]);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // combine (combine.cuh's arithmetic): out[t, n] = bf16( sum over token t's slots, in increasing EXPERT index, of
 // f32(o[t*k+s, n]) ), fp32 sum starting from 0. Slots whose expert is outside [0, E) are skipped. grid (T,
@@ -408,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_direct(
     float* pbuf = (float*)(smem_gud + 2 * (size_t)H);             // [2][nsu][16] fp32 partials (2H % 16 == 0)
     const size_t row = (size_t)e * I + n0 + (lane >> 2);
     const uint8_t* const wrow[1] = {(proj ? uw : gw) + row * (H >> 1)};
-    const uint8_t* const srow[1] = {(proj ? us : gs) + row * (H >> 4)};
+    const uint8_t* const srow[1] = {(proj ? us : gs) + scale_row(row, H)};
     WRing<1, GU_DIRECT_D> ring;
     ring.init(wrow, srow, H, lane);
     #pragma unroll
@@ -476,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
         const int e = idx[t * k + order[sr]];
         const size_t row = (size_t)e * H + n0 + (lane >> 2);
         wrow[0] = dw + row * (I >> 1);
-        srow[0] = ds + row * (I >> 4);
+        srow[0] = ds + scale_row(row, I);
         ring.init(wrow, srow, I, lane);
         #pragma unroll
         for (int r = 0; r < DN_DIRECT_D; ++r) ring.load(r, j + S * r);
@@ -536,7 +554,7 @@ __device__ __forceinline__ void gate_up_grouped_body(
     const int n0 = live ? nn : I - 16;                            // dead warps compute a copy, store nothing
     const size_t row = (size_t)e * I + n0 + g;
     const uint8_t* const wrow[2] = {gw + row * (H >> 1), uw + row * (H >> 1)};
-    const uint8_t* const srow[2] = {gs + row * (H >> 4), us + row * (H >> 4)};
+    const uint8_t* const srow[2] = {gs + scale_row(row, H), us + scale_row(row, H)};
     WRing<2, D> ring;
     ring.init(wrow, srow, H, lane);
     ring.prologue();
@@ -586,7 +604,8 @@ __device__ __forceinline__ void down_grouped_body(
         base[mt] = live[mt] ? nn : H - 16;
     }
     const uint8_t* const wrow[2] = {dw + ((size_t)e * H + base[0] + g) * (I >> 1), dw + ((size_t)e * H + base[1] + g) * (I >> 1)};
-    const uint8_t* const srow[2] = {ds + ((size_t)e * H + base[0] + g) * (I >> 4), ds + ((size_t)e * H + base[1] + g) * (I >> 4)};
+    const uint8_t* const srow[2] = {ds + scale_row((size_t)e * H + base[0] + g, I),
+                                    ds + scale_row((size_t)e * H + base[1] + g, I)};
     WRing<2, D> ring;
     ring.init(wrow, srow, I, lane);
     ring.prologue();

@@ -124,18 +124,30 @@ __device__ __forceinline__ uint32_t fp4_device_word(uint32_t v) {
     return r;
 }
 
+// NVFP4 block scales, DEVICE SCALE LAYOUT (moe.cu moe_scale_blocks moves them once, at upload; layers/moe.py
+// fp4_scale_blocks is the numpy twin): the e4m3 bytes of a (rows, K/16) scale matrix (rows % 16 == 0) as
+// [rows / 16][nsu][16 rows][8 bytes], nsu = ceil(K / 128), zeros past K / 16: the 8 scale bytes of one row's
+// 128-column super unit lie beside those of the 15 other rows of its 16-row block, so the rows a warp reads for one
+// unit share whole sectors (in the checkpoint layout each row's 8 bytes took a 32-byte sector of their own: 23-28% of
+// the expert kernels' sectors, ncu, nineteenth session).
+// Byte offset of row r's scales of super unit 0 (unit su: + 128 su; the row 8 further in its block: + 64).
+__device__ __forceinline__ size_t scale_row(size_t r, int K) {
+    return ((r >> 4) * (size_t)((K + 127) >> 7)) * 128 + (r & 15) * 8;
+}
+
 __device__ __forceinline__ uint32_t u4word(const uint4& v, int m) { return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w; }
 
-// Per-warp register ring of NVFP4 weights: D super units in flight, MT m-tiles of 16 rows each (row pointers
-// of the lane's row g; row g+8 is 8 rows further). Loads are 16 bytes when K % 32 == 0 (aligned rows),
-// otherwise two predicated 8-byte halves; columns >= K load as zeros (codes 0, scale 0).
+// Per-warp register ring of NVFP4 weights: D super units in flight, MT m-tiles of 16 rows each (row pointers of the
+// lane's row g, packed bytes and scale_row; row g+8 is 8 rows further, g < 8 of a 16-row block). Loads are 16 bytes
+// when K % 32 == 0 (aligned rows), otherwise two predicated 8-byte halves; columns >= K load as zeros (codes 0,
+// scale 0).
 template <int MT, int D>
 struct WRing {
     uint4 w[D][MT][2];
     uint32_t s[D][MT][2];
     const uint8_t* wr[MT];
     const uint8_t* sr[MT];
-    size_t rb8, sb8;             // bytes of 8 packed rows / 8 scale rows
+    size_t rb8;                  // bytes of 8 packed rows
     int K, nsu, q;
     bool al16;
 
@@ -143,7 +155,7 @@ struct WRing {
         #pragma unroll
         for (int m = 0; m < MT; ++m) { wr[m] = w_[m]; sr[m] = s_[m]; }
         K = K_; q = lane & 3; nsu = (K + 127) >> 7; al16 = (K & 31) == 0;
-        rb8 = (size_t)8 * (K >> 1); sb8 = (size_t)8 * (K >> 4);
+        rb8 = (size_t)8 * (K >> 1);
     }
     __device__ __forceinline__ void load(int r, int su) {
         const int c0 = (su << 7) + 32 * q;
@@ -155,7 +167,7 @@ struct WRing {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const uint8_t* wp = wr[m] + h * rb8 + (c0 >> 1);
-                const uint8_t* sp = sr[m] + h * sb8 + (c0 >> 4);
+                const uint8_t* sp = sr[m] + h * 64 + (su << 7) + 2 * q;
                 if (full) {
                     w[r][m][h] = __ldg((const uint4*)wp);
                     s[r][m][h] = __ldg((const unsigned short*)sp);

@@ -175,7 +175,7 @@ __device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         cp_async16s(st + L.wdst + 512 * h, R.w[h] + (R.wo[h] + 64u * su), wok);
-        cp_async4_if(st + L.sdst + 64 * h, R.s[h] + (R.so[h] + 8u * su), sok ? 4u : 0u, !(q & 1));
+        cp_async4_if(st + L.sdst + 64 * h, R.s[h] + (R.so[h] + 128u * su), sok ? 4u : 0u, !(q & 1));
     }
 }
 
@@ -300,11 +300,12 @@ template <int N0, int STEP, class F> __device__ __forceinline__ void with_tokens
     f(TileN<N0>());
 }
 
-// The lane's byte offsets of weight row r (of K columns): packed at column 32 q, scales at column 64 (q >> 1).
+// The lane's byte offsets of weight row r (of K columns): packed at column 32 q, scales (moe_common.cuh scale_row)
+// at column 64 (q >> 1) of super unit 0 (unit su: + 128 su).
 __device__ __forceinline__ void wg_row(uint32_t r, int K, uint32_t &wo, uint32_t &so) {
     const int q = threadIdx.x & 3;
     wo = r * (uint32_t)(K >> 1) + 16 * q;
-    so = r * (uint32_t)(K >> 4) + 4 * (q >> 1);
+    so = (uint32_t)scale_row(r, K) + 4 * (q >> 1);
 }
 
 // gate/up: grid (I / 64, max_tiles), block 256, tile blockIdx.y (exit if >= n_tiles). Warp w computes the outputs
@@ -413,7 +414,7 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         R.w[0] = R.w[1] = dw; R.s[0] = R.s[1] = ds;
         wg_row((uint32_t)(e * H + min(first(b), H - 16) + g), I, R.wo[0], R.so[0]);
         R.wo[1] = R.wo[0] + 8u * (uint32_t)(I >> 1);          // row g + 8
-        R.so[1] = R.so[0] + 8u * (uint32_t)(I >> 4);
+        R.so[1] = R.so[0] + 64u;                              // (rows are 16-aligned + g: g + 8, same block)
     };
     wg_mainloop<NTOK, N, ST, true>(stages, up, rowoff, I, nb, rows, epi);
 }
