@@ -17,6 +17,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import string
@@ -6511,28 +6512,12 @@ def test_gpu_linear_prefill_timing(lin_g):
 
 
 # ====================================================================================================
-# === GPU MoE router: the batch kernels (router.cu ROUTER_TILE) against router_bf16 ===
+# === GPU MoE router: every kernel shape of linear.cu's router_bf16_* gives the same bytes ===
 # ====================================================================================================
-# --- GPU router, batch path (kernels_ptx/router.cu router_bf16_t* tiles, moe.ROUTER_TILES, picked by layers/moe.py
-# router_gpu for T > 4): every logit, weight and index byte-identical to the decode kernel router_bf16 (one warp per
-# expert, the pre-tile arithmetic) at any T, near the float64 reference, counters left at zero; and graph-replayed
-# timings of every kernel shape at decode and prefill sizes (printed, not asserted).
-
-
-_ROUTER_TILES = moe.ROUTER_TILES
-_ROUTER_KERNELS = ["w1", "w4"] + list(_ROUTER_TILES)
-
-
-def _router_launch(g, name, r, router, ws, dw, di, T, H, E, k):
-    args = [r, router["router_proj"], router["router_pes"], ws["logits"], ws["counters"], dw, di, T, H, E, k]
-    m = g.module("router")
-    if name in ("w1", "w4"):
-        ew = int(name[1])
-        g.launch(m.function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4), block=(32 * ew,), args=args)
-    else:
-        tt, ec, nth, st = _ROUTER_TILES[name]
-        g.launch(m.function("router_bf16_" + name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt), block=(nth,),
-                 args=args, shared=st * (tt + ec) * 512)
+# --- GPU router (linear.cu router_bf16_<suffix>, moe.ROUTER_KERNELS, picked by layers/moe.py router_kernel): the
+# logits are the linear family's gemm_bf16_f32 bits (head_gpu over the same r and proj), every kernel shape gives
+# the same logits, weights and indices at any T, a token alone the same as in a batch, near the float64 reference,
+# counters left at zero; and graph-replayed timings of every kernel shape (printed, not asserted).
 
 
 def _router_setup(g, T, E, H, seed):
@@ -6545,19 +6530,26 @@ def _router_setup(g, T, E, H, seed):
     return h, proj, pes, router
 
 
-def _router_outputs(g, ws, dw, di, T):
-    return (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+def _router_run(g, name, r, router, ws, T, k):
+    """Launch router_bf16_<name> over r into fresh (poisoned) outputs -> (logits, weights, idx) on the host."""
+    dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
+    g.fill(dw, 0xFF); g.fill(di, 0xFF); g.fill(ws["logits"], 0xFF)
+    moe.router_launch(g, name, r, router, ws["logits"], ws["counters"], dw, di, k)
+    out = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+    g.free(dw); g.free(di)
+    assert not np.any(g.download(ws["counters"])), f"{name}: arrival counters not reset"
+    return out
 
 
-SHAPES = [(T, MOE_REAL) for T in (5, 17, 64, 300, 2048)] + \
+SHAPES = [(T, MOE_REAL) for T in (1, 5, 17, 64, 65, 300, 2048)] + \
          [(T, dict(E=256, k=16, H=128)) for T in (5, 17, 300)] + \
-         [(T, dict(E=40, k=6, H=136)) for T in (5, 17, 64, 300)] + \
-         [(33, dict(E=40, k=6, H=3080)), (129, dict(E=8, k=2, H=64))]     # H > 3072: router_bf16's 2nd chunk batch
+         [(T, dict(E=40, k=6, H=144)) for T in (5, 17, 64, 300)] + \
+         [(33, dict(E=40, k=6, H=3088)), (129, dict(E=8, k=2, H=64))]
 
 
 @needs_gpu
 @pytest.mark.parametrize("T,shape", SHAPES)
-def test_gpu_router_v3_bits(g, T, shape):
+def test_gpu_router_bits(g, T, shape):
     E, k, H = shape["E"], shape["k"], shape["H"]
     eps = 1e-6
     h, proj, pes, router = _router_setup(g, T, E, H, 500 + T + H)
@@ -6565,33 +6557,33 @@ def test_gpu_router_v3_bits(g, T, shape):
     dh = g.upload(h)
     dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
     g.fill(dw, 0xFF); g.fill(di, 0xFF); g.fill(ws["logits"], 0xFF)
-    moe.router_gpu(g, dh, router, dw, di, ws, k, eps)              # the launcher's pick (a tile kernel for T > 4)
-    lg, w, i = _router_outputs(g, ws, dw, di, T)
+    moe.router_gpu(g, dh, router, dw, di, ws, k, eps)              # the launcher's pick
+    lg, w, i = g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di)
     assert not np.any(g.download(ws["counters"])), "arrival counters not reset"
     r = g.view(ws["r"], 0, (T, H), BF16)
     rh = g.download(r)
-    # every kernel shape, old (w1, w4) and new, over the same r: the same bytes
-    for name in _ROUTER_KERNELS:
-        dw2, di2 = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
-        g.fill(dw2, 0xFF); g.fill(di2, 0xFF); g.fill(ws["logits"], 0xFF)
-        _router_launch(g, name, r, router, ws, dw2, di2, T, H, E, k)
-        lg2, w2, i2 = _router_outputs(g, ws, dw2, di2, T)
-        assert not np.any(g.download(ws["counters"])), f"{name}: arrival counters not reset"
-        for what, a, b in (("logits", lg2, lg), ("weights", w2, w), ("idx", i2, i)):
+    # the logits are the tied head's kernels' bits (gemm_bf16_f32 over the same r and weights)
+    head_out = g.empty((T, E), np.float32)
+    head_gpu(g, r, router["router_proj"], head_out)
+    assert g.download(head_out).tobytes() == lg.tobytes(), f"T={T}: router logits != gemm_bf16_f32's"
+    g.free(head_out)
+    # every kernel shape over the same r: the same bytes
+    for name in moe.ROUTER_KERNELS:
+        for what, a, b in zip(("logits", "weights", "idx"), _router_run(g, name, r, router, ws, T, k), (lg, w, i)):
             bad = np.nonzero(np.any(a.view(np.uint8).reshape(T, -1) != b.view(np.uint8).reshape(T, -1), -1))[0]
             assert bad.size == 0, f"T={T} E={E} H={H}: {name} {what} differ from router_gpu's at tokens {bad[:8]}"
-    # tokens alone (T=1: router_bf16, one warp per expert): the same bytes
-    for t in sorted({0, 1, T // 2, T - 1}):
+    # tokens alone: the same bytes
+    for t in sorted({0, 1 % T, T // 2, T - 1}):
         ws1 = moe.moe_workspace(g, 1, E, k, H, 16)
         dw1, di1 = g.empty((1, k), np.float32), g.empty((1, k), np.int32)
         moe.router_gpu(g, g.upload(h[t:t + 1]), router, dw1, di1, ws1, k, eps, r=g.upload(rh[t:t + 1]))
-        l1, w1, i1 = _router_outputs(g, ws1, dw1, di1, 1)
+        l1, w1, i1 = g.download(ws1["logits"])[:1], g.download(dw1), g.download(di1)
         assert l1.tobytes() == lg[t:t + 1].tobytes(), f"T={T}: token {t} logits alone != in the batch"
         assert w1.tobytes() == w[t:t + 1].tobytes() and i1.tobytes() == i[t:t + 1].tobytes(), f"token {t} alone"
     # float64 reference over the same (bf16) r
     ref = rh.astype(np.float64) @ proj.astype(np.float64).T
     err = np.abs(lg - ref).max() / np.abs(ref).max()
-    print(f"router v3 T={T} E={E} k={k} H={H}: logits vs f64 max err / max |logit| {err:.3e}")
+    print(f"router T={T} E={E} k={k} H={H}: logits vs f64 max err / max |logit| {err:.3e}")
     assert err < 1e-5
     p = np.exp(ref - ref.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -6602,21 +6594,33 @@ def test_gpu_router_v3_bits(g, T, shape):
     top = np.take_along_axis(p, i.astype(np.int64), -1)
     w_em = top / top.sum(-1, keepdims=True) * pes[i]
     rel = np.abs(w - w_em) / np.abs(w_em)
-    print(f"router v3 T={T}: weights vs f64 max rel {rel.max():.3e}")
+    print(f"router T={T}: weights vs f64 max rel {rel.max():.3e}")
     assert rel.max() < 1e-4
 
 
+def test_router_rejects_unaligned_hidden():
+    """H must be a multiple of 16 (the linear family's K): a clear error before any launch (no GPU needed)."""
+    class FakeArr:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype, self.ptr = shape, np.dtype(dtype), 0
+    T, H, E, k = 2, 136, 8, 2
+    router = {"router_proj": FakeArr((E, H), BF16)}
+    with pytest.raises(ValueError, match="H % 16 == 0"):
+        moe.router_gpu(None, FakeArr((T, H), BF16), router, FakeArr((T, k), np.float32), FakeArr((T, k), np.int32),
+                       {}, k, 1e-6)
+
+
 @needs_gpu
-def test_gpu_router_v3_graph_replays(g):
+def test_gpu_router_graph_replays(g):
     """Replayed in a graph (counters reset by the last CTA of each token tile): the eager bytes every time."""
     E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
-    for T in (37, 300, 520):
+    for T in (1, 37, 300, 520):
         h, proj, pes, router = _router_setup(g, T, E, H, 900 + T)
         ws = moe.moe_workspace(g, T, E, k, H, 16)
         dh = g.upload(h)
         dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
         moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
-        want = _router_outputs(g, ws, dw, di, T)
+        want = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
         r = g.view(ws["r"], 0, (T, H), BF16)
         g.fill(dw, 0xFF); g.fill(di, 0xFF)
         g.capture_begin()
@@ -6627,16 +6631,16 @@ def test_gpu_router_v3_graph_replays(g):
             graph.replay()
         g.sync()
         graph.close()
-        got = _router_outputs(g, ws, dw, di, T)
+        got = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), f"T={T}: graph replay != eager"
         assert not np.any(g.download(ws["counters"]))
 
 
 @needs_gpu
-@pytest.mark.parametrize("T", [1, 16, 64, 128, 256, 512, 2048])
-def test_gpu_router_v3_timing(g, T):
-    """Graph-replayed us per launch at the real shapes over a ready r: router_gpu's pick, then every kernel shape
-    (w1 / w4: the old router_bf16 with 1 / 4 warps per CTA). Printed for BENCHMARKS.md, not asserted."""
+@pytest.mark.parametrize("T", [1, 4, 16, 32, 64, 128, 256, 508, 2048])
+def test_gpu_router_timing(g, T):
+    """Graph-replayed us per launch at the real shapes over a ready r: router_gpu's pick, then every kernel shape.
+    Printed for BENCHMARKS.md (and router_kernel's table), not asserted."""
     E, k, H = MOE_REAL["E"], MOE_REAL["k"], MOE_REAL["H"]
     rng = np.random.default_rng(78)
     router = moe.upload_router(g, bf(rng.normal(0, 1, (E, H))).astype(np.float32), np.ones(H, np.float32),
@@ -6646,17 +6650,55 @@ def test_gpu_router_v3_timing(g, T):
     r = g.view(ws["r"], 0, (T, H), BF16)
     moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)          # makes r
     n = 200 if T <= 512 else 50
-    fma = T * E * H
     line = []
-    for name in ["router_gpu"] + (_ROUTER_KERNELS if T > 4 else ["w1"]):
-        if (name == "w1" and T > 64) or (name == "w4" and T > 512):
-            continue                                             # slow; their figures are known
+    for name in ["router_gpu"] + list(moe.ROUTER_KERNELS):
         step = (lambda: moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6, r=r)) if name == "router_gpu" else \
-               (lambda: _router_launch(g, name, r, router, ws, dw, di, T, H, E, k))
+               (lambda: moe.router_launch(g, name, r, router, ws["logits"], ws["counters"], dw, di, k))
         us = _graph_time(g, step, reps=n, replays=1) * 1e3      # (warms up eagerly: the shared-memory opt-in)
         line.append(f"{name} {us:.2f}")
-        print(f"router v3 T={T} {name}: {us:.2f} us/call ({fma / us / 1e6:.2f} TFMA/s fp32, "
+        print(f"router T={T} {name}: {us:.2f} us/call ({2 * T * E * H / us / 1e6:.2f} TFLOP/s, "
               f"r {T * H * 2 / us / 1e3:.0f} GB/s + proj {E * H * 2 / us / 1e3:.0f} GB/s)")
-    print(f"router v3 T={T} summary (us): " + ", ".join(line))
+    print(f"router T={T} summary (us): " + ", ".join(line))
     assert np.isin(g.download(di), np.arange(E)).all()
     assert not np.any(g.download(ws["counters"]))
+
+
+# --- the committed PTX as ptxas schedules it (no GPU: ptxas and cuobjdump from the CUDA toolkit) ---------------
+
+@pytest.mark.skipif(not (shutil.which("ptxas") and shutil.which("cuobjdump")), reason="needs ptxas and cuobjdump")
+def test_ptxas_keeps_nc_loads_after_the_pdl_wait(tmp_path):
+    """PDL (kernels_ptx/pdl.cuh): nothing the previous kernel writes may be read before griddepcontrol.wait. ptxas
+    treats ld.global.nc as read-only data and may schedule it above the wait (SASS: LDG...CONSTANT before
+    ACQBULK); it did so with the router's `_t16` form, which then read the previous layer's r in the decode
+    graphs. So no kernel may have more .nc loads before its wait in SASS than its PTX puts there (those are weight
+    prefetches by design)."""
+    kdir = os.path.join(ROOT, "kernels_ptx")
+    hoisted, checked = [], 0
+    for fn in sorted(os.listdir(kdir)):
+        if not fn.endswith(".ptx"):
+            continue
+        name = fn[:-4]
+        ptx = open(os.path.join(kdir, fn)).read()
+        before = {}
+        for e in ptx.split(".visible .entry")[1:]:
+            w = e.find("griddepcontrol.wait")
+            if w >= 0:
+                before[e.split("(")[0].strip()] = len(re.findall(r"ld\.global\.nc", e[:w]))
+        if not before:
+            continue
+        cubin = str(tmp_path / (name + ".cubin"))
+        arch = "sm_90a" if name.endswith("_sm90a") else "sm_90"
+        subprocess.run(["ptxas", f"-arch={arch}", "-O3", "-o", cubin, os.path.join(kdir, fn)], check=True,
+                       capture_output=True)
+        sass = subprocess.run(["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True).stdout
+        for f in re.split(r"\n\s*Function : ", sass)[1:]:
+            kname = f.split("\n", 1)[0].strip()
+            w = f.find("ACQBULK")
+            if kname not in before or w < 0:
+                continue
+            checked += 1
+            n = len(re.findall(r"LDG\.E\S*CONSTANT", f[:w]))
+            if n > before[kname]:
+                hoisted.append(f"{name}.{kname}: {n} in SASS, {before[kname]} in PTX")
+    print(f"{checked} kernels with griddepcontrol.wait checked")
+    assert checked > 50 and not hoisted, hoisted

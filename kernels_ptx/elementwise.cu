@@ -230,7 +230,7 @@ __device__ __forceinline__ void pre_wait() {
 __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
 
 // r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
-// each product rounded as transformers' bf16 model does); kernels_ptx/router.cu takes it from here.
+// each product rounded as transformers' bf16 model does); linear.cu's router kernels take it from here.
 __device__ __forceinline__ void router_row8(const float* f, float inv, const float* sf, float root, bf16* r) {
     float y[8];
 #pragma unroll

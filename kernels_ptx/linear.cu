@@ -63,7 +63,10 @@
 //    K + 8 bf16, conflict-free 16-byte reads), overlapping the weight fetch; dynamic smem = min(T,8)*(K+8)*2 B.
 //    NT >= 2: each ring slot also carries the item's X fragments (2 x 16 B per 8-token tile), from L2.
 // Slice partials are reduced through smem in slice order 0..7 (as before: the determinism contract).
-template <int FMT, int NT, bool F32OUT, bool GELU, int R>
+// XCG (the router's kernels): X through ld.global.cg instead of ld.global.nc. ptxas may hoist an .nc load, which
+// it takes for read-only data, above griddepcontrol.wait (it did in the router's `_t16` form: X read before the
+// previous kernel had written it); a .cg load stays after the wait. Same bytes loaded, same arithmetic.
+template <int FMT, int NT, bool F32OUT, bool GELU, int R, bool XCG = false>
 __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
                                          const Proj &q1, const Proj &q2, const Proj &q3) {
     constexpr int M = GELU ? 2 : 1;                           // jobs (row tiles of different W) per CTA
@@ -127,8 +130,13 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
 #pragma unroll
             for (int n = 0; n < XN; ++n) {
                 const int t = t0 + 8 * n + g;                 // the lane's token (B column g) of tile n
-                x[n][0] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk) : z;       // columns 16q .. 16q+7
-                x[n][1] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk + 8) : z;   // columns 16q+8 .. 16q+15
+                if (XCG) {
+                    x[n][0] = (kin && t < T) ? ldcg16(X + (size_t)t * K + kk) : z;
+                    x[n][1] = (kin && t < T) ? ldcg16(X + (size_t)t * K + kk + 8) : z;
+                } else {
+                    x[n][0] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk) : z;       // columns 16q .. 16q+7
+                    x[n][1] = (kin && t < T) ? ldg16(X + (size_t)t * K + kk + 8) : z;   // columns 16q+8 .. +15
+                }
             }
         }
     };
@@ -842,3 +850,30 @@ DEC2_KERNEL(gemm_bf16_f32_sn2m1r4b3, FMT_BF16, 2, 1, true, false, 4, 3, false, t
 DEC2_KERNEL(gemm_bf16_f32_sn2m1r6b2, FMT_BF16, 2, 1, true, false, 6, 2, false, true)
 DEC2_KERNEL(gemm_bf16_f32_sn4m1r4b2t, FMT_BF16, 4, 1, true, false, 4, 2, true, true)
 DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, true)
+
+// --- the MoE router (layers/moe.py router_gpu): logits, softmax, top-k in ONE launch --------------------------
+// logits (T, E) f32 = r (T, H) @ proj (E, H)^T with gemm_bf16_f32's per-output arithmetic (the contract above: the
+// same bits as the tied head's kernels, for every T and kernel shape), then, by the last CTA of each token group
+// to finish (topk.cuh arrive_then_topk: counters[blockIdx.y], zeroed once at allocation and reset by that CTA),
+// the top-k of the group's tokens. So a token's logits, weights and experts do not depend on T or on the kernel.
+// Arguments: r (T, K = H) bf16, T, K, proj (E, K) bf16, per_expert_scale (E) f32, logits (T, E) f32, counters
+// (>= token groups) int, weights (T, k) f32, idx (T, k) int32, E (<= 256), k (<= 16). block 256; grid (ceil(E/16)
+// | `_p` ceil(E/64), token groups); dynamic smem as the gemm_bf16_f32 kernel of the same suffix.
+#include "topk.cuh"
+#define ROUTER_PARAMS                                                                                          \
+    const __nv_bfloat16 *__restrict__ X, int T, int K, const __nv_bfloat16 *__restrict__ W,                 \
+    const float *__restrict__ pes, float *logits, int *counters, float *__restrict__ weights,                \
+    int *__restrict__ idx, int E, int k
+#define ROUTER_DEC(name, NT, R, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(SLICES * 32, MINB) name(ROUTER_PARAMS) {                    \
+        const Proj p = {W, nullptr, 0, logits, E};                                                           \
+        dec_body<FMT_BF16, NT, true, false, R, true>(X, T, K, p, p, p, p);                                   \
+        arrive_then_topk(counters, logits, pes, weights, idx, blockIdx.y * 8 * NT, 8 * NT, T, E, k);         \
+    }
+ROUTER_DEC(router_bf16_t8, 1, 3, 2)
+ROUTER_DEC(router_bf16_t16, 2, 2, 2)
+extern "C" __global__ void __launch_bounds__(256, 2) router_bf16_p(ROUTER_PARAMS) {
+    const Proj p = {W, nullptr, 0, logits, E};
+    prefill_body<FMT_BF16, true, false>(X, T, K, p, p, p, p);
+    arrive_then_topk(counters, logits, pes, weights, idx, blockIdx.y * P_TOK, P_TOK, T, E, k);
+}

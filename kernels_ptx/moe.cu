@@ -1,6 +1,6 @@
 // MoE block kernels (Gemma-4 26B-A4B): grouping of (token, slot) pairs by expert, the NVFP4 experts on tensor
-// cores (gate/up with gated GELU, down scaled by the routing weight) and a deterministic combine. The router is
-// router.cu. bf16 activations, NVFP4 weights decoded exactly to bf16 mma operands in registers (checkpoint.md
+// cores (gate/up with gated GELU, down scaled by the routing weight) and a deterministic combine. The router is in
+// linear.cu. bf16 activations, NVFP4 weights decoded exactly to bf16 mma operands in registers (checkpoint.md
 // sections 2 and 6), fp32 accumulation.
 //
 // Shapes (same letters as Python): T tokens, H hidden, E experts, k top-k, P = T*k (token, slot) pairs,

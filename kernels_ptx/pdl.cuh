@@ -6,9 +6,10 @@
 //   pdl_entry():   both at once, first thing in a kernel: only the launch and the CTAs' start overlap.
 // All three are no-ops in a launch without the attribute. Which launchers set it, and why (measured on the H200,
 // 2026-11-30, one process, graphs recaptured per setting, median of 3 rounds):
-//   - linear.cu's, router_bf16's and moe_down_combine_direct's: they fetch weights before pdl_wait. Batch-1 step
-//     2.915 ms with PDL on the linear launches only, 3.191 with it on every launch, 3.503 with none; batch 64
-//     17.73 / 19.23 / 18.50 ms. With router_bf16 and moe_down_combine_direct too: 2.846 ms at batch 1.
+//   - linear.cu's (the router's too, up to 16 tokens) and moe_down_combine_direct's: they fetch weights before
+//     pdl_wait. Batch-1 step 2.915 ms with PDL on the linear launches only, 3.191 with it on every launch, 3.503
+//     with none; batch 64 17.73 / 19.23 / 18.50 ms. With the (then separate) batch-1 router kernel and
+//     moe_down_combine_direct too: 2.846 ms at batch 1.
 //   - elementwise.cu's `_pre` norm chains (post_attn_norms_pre_bf16, post_ffn_norms[_pairs]_pre_bf16: T <= 16,
 //     layers/norm.py NORMS_PRE_MAX_T): they fetch their weights, wait, and only then trigger, so the chain of
 //     early grids stops at them. Batch 1 2539.7 -> 2508.9 us, batch 64 14612.0 -> 14785.5 (2026-11-30).

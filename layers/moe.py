@@ -34,13 +34,14 @@ def experts(y, weights, idx, gate_up, down):
 
 
 # --- GPU ---
-# Device MoE: kernels_ptx/router.cu's router_bf16 -> (weights (T, k) f32, idx (T, k) i32); kernels_ptx/moe.cu:
+# Device MoE: linear.cu's router_bf16_* -> (weights (T, k) f32, idx (T, k) i32); kernels_ptx/moe.cu:
 # experts on tensor cores, two launch paths with identical arithmetic (see _experts_direct / _experts_grouped):
 # direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_tiles (stable counting sort
 # of the T*k (token, slot) pairs by expert) -> moe_gate_up_mma_n* -> moe_down_mma_n* -> moe_combine_bf16.
 # Arithmetic:
 #   router: r = bf16(bf16(bf16(norm(h)) * scale) * H^-0.5) as transformers' bf16 model; logits fp32 (not
-#     rounded), softmax fp32, top-k ties -> lower index, weights = p / sum(top p) * per_expert_scale[idx].
+#     rounded; the dense layers' mma.sync K-slice arithmetic, linear.cu gemm_bf16_f32), softmax fp32, top-k
+#     ties -> lower index, weights = p / sum(top p) * per_expert_scale[idx].
 #   experts: q*s exact (bf16 mma operand), mma.sync bf16; each 128-column K block is a fresh mma chain (the
 #     tensor core truncates its accumulator at every step: one chain over all of K drifted towards zero), the
 #     blocks added in fp32 in increasing order, the same for every T and path; the global scale on the fp32 sum as
@@ -180,7 +181,7 @@ def moe_workspace(g, T, E, k, H, I):
     """Scratch for one MoE call of up to T tokens (reuse across layers / graph replays)."""
     P = T * k
     return dict(T=T, k=k, logits=g.empty((T, E), np.float32), r=g.empty((T, H), _bf16()),
-                counters=g.upload(np.zeros((T + 3) // 4, np.int32)),    # router.cu's arrivals, kept at 0
+                counters=g.upload(np.zeros((T + 3) // 4, np.int32)),    # the router's arrivals, kept at 0
                 offsets=g.empty((E + 1,), np.int32),
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
                 u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
@@ -189,16 +190,16 @@ def moe_workspace(g, T, E, k, H, I):
 
 
 def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
-    """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability): router.cu's
-    one launch over r, the router's input row (layers.norm: post_attn_norms_gpu(router=...) makes it with the
-    layer's norms); without r it is made here first (router_input_gpu, the same bytes)."""
+    """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability): one launch of
+    linear.cu's router kernels over r, the router's input row (layers.norm: post_attn_norms_gpu(router=...) makes
+    it with the layer's norms); without r it is made here first (router_input_gpu, the same bytes)."""
     T, H = h.shape
     E = router["router_proj"].shape[0]
     bf = _bf16()
     _check(h, (T, H), bf, "h"); _check(router["router_proj"], (E, H), bf, "router_proj")
     _check(weights, (T, top_k), np.float32, "weights"); _check(idx, (T, top_k), np.int32, "idx")
-    if H % 8 or E > 256 or not 1 <= top_k <= min(16, E):
-        raise ValueError(f"router: need H % 8 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
+    if H % 16 or E > 256 or not 1 <= top_k <= min(16, E):
+        raise ValueError(f"router: need H % 16 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
     if router["router_proj"].ptr % 16:
         raise ValueError("router_gpu: router_proj needs 16-byte alignment")
     logits, counters = workspace["logits"], workspace["counters"]
@@ -210,38 +211,40 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     _check(r, (T, H), bf, "r")
     if r.ptr % 16:
         raise ValueError("router_gpu: r needs 16-byte alignment")
-    args = [r, router["router_proj"], router["router_pes"], logits, counters, weights, idx, T, H, E, top_k]
-    # router.cu's kernels, the same bits for every T; picked by the H200 times of test_gpu_router_v3_timing
-    # (2026-11-30, us per call at T = 1 / 16 / 64 / 128 / 512 / 2048): router_bf16 with one-warp CTAs 8.2 at T=1,
-    # with 4-warp CTAs 10.6 at 16 (t8x8 13.4); t8x8 14.0 at 64 (router_bf16 17.1) and 17.2 at 128; the tiles
-    # above 128 tokens: router_tile.
-    # PDL on router_bf16 (it fetches its expert rows before the wait), not on the batch kernels: their early CTAs
-    # (40 KB of shared memory each) hold SMs the dense MLP's branch needs (batch 64 +0.73 ms; kernels_ptx/pdl.cuh).
-    if T <= 16:
-        ew = 1 if T <= 4 else 4                  # experts (warps) per CTA
-        g.launch(g.module("router").function("router_bf16"), grid=((E + ew - 1) // ew, (T + 3) // 4),
-                 block=(32 * ew,), args=args, nbytes=E * H * 2, pdl=True, flops=2 * T * E * H)
-        return
-    name = router_tile(T)
-    tt, ec, nth, st = ROUTER_TILES[name]
-    g.launch(g.module("router").function("router_bf16_" + name), grid=((E + ec - 1) // ec, (T + tt - 1) // tt),
-             block=(nth,), args=args, shared=st * (tt + ec) * 512, nbytes=E * H * 2, flops=2 * T * E * H)
+    router_launch(g, router_kernel(T), r, router, logits, counters, weights, idx, top_k)
 
 
-# router.cu's ROUTER_TILE table: router_bf16_<name> -> (tokens, experts per CTA, threads, stages); dynamic shared
-# stages * (tokens + experts) * 512 bytes. Every tile gives the same bits (test_gpu_router_v3_bits runs each).
-ROUTER_TILES = {"t8x8": (8, 8, 128, 5), "t16x16": (16, 16, 128, 4), "t8x32": (8, 32, 256, 4),
-                "t16x32w16": (16, 32, 512, 4)}
+# linear.cu's router kernels (logits with gemm_bf16_f32's arithmetic, then the top-k in the same launch):
+# suffix -> (tokens per CTA, experts per CTA, dynamic smem bytes as a function of (T, H)). Every one gives the
+# same bytes (test_gpu_router_bits runs each); router_kernel picks by speed only.
+ROUTER_KERNELS = {
+    "t8": (8, 16, lambda T, H: min(T, 8) * (H + 8) * 2),     # X staged in shared memory (cp.async)
+    "t16": (16, 16, lambda T, H: 0),                          # X in the register ring (ld.global.cg)
+    "p": (32, 64, lambda T, H: 55296),                       # the prefill tile (4 stages, PrefillSmem<bf16>)
+}
 
 
-def router_tile(T):
-    """The batch router's tile for T > 16 tokens (speed only). H200, graph-replayed, us at T = 130 / 256 / 507 /
-    1024 / 2048 (BENCHMARKS.md, eleventh session): t8x8 18.1 / 25.1 / 37.1 / 60.2 / 100.9; t16x16 26.4 / 26.5 /
-    33.6 / 53.7 / 77.8; t16x32 24.3 / 24.4 / 25.1 / 48.5 / 83.1; t8x32 16.1 / 16.7 / 25.3 / 47.8 / 79.3;
-    t16x32w16 22.1 / 22.3 / 23.2 / 43.9 / 80.1; (removed: 8 warps of 4 x 4 over 8 x 16 16.2 / 18.5 / 29.8 / 47.6 /
-    81.5). The 4 x 8 warp tiles (t8x32, t16x32w16) hold ~96 registers a thread against ~168 for 8 x 8, so more
-    warps share an SM; t16x32 (8 warps of 8 x 8) was the pick from 129 to 1024 tokens before them (removed)."""
-    return "t8x8" if T <= 128 else "t8x32" if T <= 384 else "t16x32w16" if T <= 1536 else "t16x16"
+def router_kernel(T):
+    """The router kernel for T tokens (speed only). H200, E 128, H 2816, graph-replayed, us per launch at T = 1 / 8 /
+    16 / 64 / 128 / 256 / 508 / 1536 / 2048 (BENCHMARKS.md, 2026-12-01): t8 6.82 / 7.58 / 7.72 / 8.41 / 9.09 /
+    11.55 / 19.34 / 44.26 / 56.09; t16 6.20 / 6.64 / 9.55 / 10.22 / 10.25 / 10.52 / 13.80 / 27.61 / 33.05; p 20.07 /
+    20.39 / 23.21 / 29.21 / 29.05 / 29.27 / 29.38 / 29.78 / 30.14 (its 64 x 32 tiles are few and latency-bound
+    below ~1.5k tokens). The fmaf-chain router.cu it replaced (eleventh and seventeenth sessions' tables): 8.2 / - /
+    10.6 / 14.0 / 17.2 / - / 23.2 (507 tokens) / - / 77.8. Removed after that sweep, never the fastest: the 32- and
+    64-token decode tiles and three dec2_body shared-ring forms. (t16 was timed with X through ld.global.nc; it
+    reads X through ld.global.cg since: linear.cu dec_body XCG.)"""
+    return "t16" if T <= 8 else "t8" if T <= 128 else "t16" if T <= 1536 else "p"
+
+
+def router_launch(g, name, r, router, logits, counters, weights, idx, top_k):
+    """One launch of linear.cu's router_bf16_<name> over r (T, H) bf16 -> logits, weights, idx; with PDL up to 16
+    tokens."""
+    T, H = r.shape
+    E = router["router_proj"].shape[0]
+    tok, rows, smem = ROUTER_KERNELS[name]
+    g.launch(g.module("linear").function("router_bf16_" + name), grid=(-(-E // rows), -(-T // tok)), block=(256,),
+             args=[r, T, H, router["router_proj"], router["router_pes"], logits, counters, weights, idx, E, top_k],
+             shared=smem(T, H), nbytes=E * H * 2, flops=2 * T * E * H, pdl=T <= 16)
 
 
 @dataclass(frozen=True)

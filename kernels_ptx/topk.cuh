@@ -1,0 +1,106 @@
+// The MoE router's top-k, shared by the router kernels of linear.cu (logits = the linear family's gemm_bf16_f32
+// arithmetic, then this epilogue in the same launch): softmax over a token's E logits, the k largest, the
+// renormalised weights times per_expert_scale. A token's result reads only that token's logits, so it is the same
+// alone or in any batch, whichever CTA runs it.
+#pragma once
+#include <stdint.h>
+
+#define TOPK_MAXE 8          // experts per lane in the top-k: E <= 256
+#define TOPK_MAXK 16
+
+__device__ __forceinline__ float topk_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Top-k of one token (one warp): softmax over the E logits (fp32, max-subtracted, expf), the k largest p
+// (descending; ties -> lower expert index, numpy's stable argsort of -p), weights = p / sum(top p) (slot order)
+// * pes[expert].
+// Selection: each round, every lane takes its best p (strict >: its lowest index on ties), then the warp takes the
+// largest of those with redux.sync on an order-preserving integer key of the float (key(a) < key(b) exactly when
+// a < b, for every non-NaN float: non-negative floats keep their bits, negative ones flip all but the sign), and
+// among the lanes holding that largest value the lowest expert index (a second redux). The same choice, round by
+// round, as a compare-and-swap butterfly over (value, index), in 2 warp reductions instead of 10 shuffles. pes is
+// read with the logits (one round trip) and the chosen expert's factor taken from its lane; lane j writes slot j.
+// The max of the logits the same way (it may differ from a fmaxf butterfly only in the sign of a zero max, which
+// changes no exp(v - max)).
+__device__ __forceinline__ int order_key(float v) {
+    const int b = __float_as_int(v);
+    return b ^ ((b >> 31) & 0x7fffffff);
+}
+__device__ __forceinline__ float key_float(int k) { return __int_as_float(k ^ ((k >> 31) & 0x7fffffff)); }
+__device__ void topk_token(const float* lg, const float* __restrict__ pes, float* weights, int* idx, int E, int k) {
+    const int lane = threadIdx.x & 31;
+    float v[TOPK_MAXE], pw[TOPK_MAXE];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < TOPK_MAXE; ++i) {
+        const int e = lane + 32 * i;
+        v[i] = e < E ? __ldcg(lg + e) : -INFINITY;          // L2: other CTAs wrote them
+        pw[i] = e < E ? __ldg(pes + e) : 0.f;
+        m = fmaxf(m, v[i]);
+    }
+    m = key_float(__reduce_max_sync(0xffffffffu, order_key(m)));  // the largest logit (a NaN one is never taken)
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < TOPK_MAXE; ++i) {
+        v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
+        s += v[i];
+    }
+    s = topk_warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < TOPK_MAXE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent / taken
+    float topv[TOPK_MAXK], myv = 0.f, myp = 0.f;                 // lane j keeps round j's p, pes and expert
+    int myi = 0;
+#pragma unroll
+    for (int j = 0; j < TOPK_MAXK; ++j) {
+        topv[j] = 0.f;
+        if (j < k) {
+            float bv = -2.f; int bi = 0x7fffffff;             // lane's best: largest p, lowest index on ties
+#pragma unroll
+            for (int i = 0; i < TOPK_MAXE; ++i)
+                if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
+            const int kmax = __reduce_max_sync(0xffffffffu, order_key(bv));
+            const int wi = __reduce_min_sync(0xffffffffu, order_key(bv) == kmax ? bi : 0x7fffffff);
+            const int slot = (unsigned)wi >> 5;               // warp-uniform
+            float pl = 0.f;
+#pragma unroll
+            for (int i = 0; i < TOPK_MAXE; ++i)
+                if (i == slot) pl = pw[i];
+            topv[j] = key_float(kmax);                        // warp-uniform
+            pl = __shfl_sync(0xffffffffu, pl, wi & 31);
+            if (lane == j) { myv = topv[j]; myp = pl; myi = wi; }
+#pragma unroll
+            for (int i = 0; i < TOPK_MAXE; ++i)
+                if (lane + 32 * i == wi) v[i] = -1.f;
+        }
+    }
+    float sum = 0.f;                                       // every lane: the same sum, slot order
+#pragma unroll
+    for (int j = 0; j < TOPK_MAXK; ++j) if (j < k) sum += topv[j];
+    if (lane < k) {
+        weights[lane] = (myv / sum) * myp;
+        idx[lane] = myi;
+    }
+}
+
+// After every thread of the CTA has written its logits: the last CTA of token group blockIdx.y to arrive
+// (counters[blockIdx.y], an int zeroed once at allocation) resets the counter for the next launch (graph replays)
+// and runs the top-k of tokens t0 .. t0 + nt - 1, warp w taking tokens w, w + warps, ...
+__device__ __forceinline__ void arrive_then_topk(int* counters, const float* logits, const float* __restrict__ pes,
+                                                 float* __restrict__ weights, int* __restrict__ idx, int t0, int nt,
+                                                 int T, int E, int k) {
+    __shared__ int last;
+    __threadfence();                                       // this thread's logits, visible before the arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.y, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[blockIdx.y] = 0;
+    for (int tt = threadIdx.x >> 5; tt < nt; tt += blockDim.x >> 5) {
+        const int t = t0 + tt;
+        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+    }
+}
