@@ -231,8 +231,8 @@ def router_kernel(T):
     20.39 / 23.21 / 29.21 / 29.05 / 29.27 / 29.38 / 29.78 / 30.14 (its 64 x 32 tiles are few and latency-bound
     below ~1.5k tokens). The fmaf-chain router.cu it replaced (eleventh and seventeenth sessions' tables): 8.2 / - /
     10.6 / 14.0 / 17.2 / - / 23.2 (507 tokens) / - / 77.8. Removed after that sweep, never the fastest: the 32- and
-    64-token decode tiles and three dec2_body shared-ring forms. (t16 was timed with X through ld.global.nc; it
-    reads X through ld.global.cg since: linear.cu dec_body XCG.)"""
+    64-token decode tiles and three dec2_body shared-ring forms. t16 read X through ld.global.nc in that sweep;
+    through ld.global.cg (linear.cu dec_body XCG) it took 6.34 / 14.69 / 37.37 us at T = 1 / 508 / 2048 (call 6)."""
     return "t16" if T <= 8 else "t8" if T <= 128 else "t16" if T <= 1536 else "p"
 
 
