@@ -6530,12 +6530,17 @@ def _router_setup(g, T, E, H, seed):
     return h, proj, pes, router
 
 
+def _router_outputs(g, ws, dw, di, T):
+    """(logits, weights, idx) of a router launch, on the host."""
+    return g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di)
+
+
 def _router_run(g, name, r, router, ws, T, k):
     """Launch router_bf16_<name> over r into fresh (poisoned) outputs -> (logits, weights, idx) on the host."""
     dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
     g.fill(dw, 0xFF); g.fill(di, 0xFF); g.fill(ws["logits"], 0xFF)
     moe.router_launch(g, name, r, router, ws["logits"], ws["counters"], dw, di, k)
-    out = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+    out = _router_outputs(g, ws, dw, di, T)
     g.free(dw); g.free(di)
     assert not np.any(g.download(ws["counters"])), f"{name}: arrival counters not reset"
     return out
@@ -6558,7 +6563,7 @@ def test_gpu_router_bits(g, T, shape):
     dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
     g.fill(dw, 0xFF); g.fill(di, 0xFF); g.fill(ws["logits"], 0xFF)
     moe.router_gpu(g, dh, router, dw, di, ws, k, eps)              # the launcher's pick
-    lg, w, i = g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di)
+    lg, w, i = _router_outputs(g, ws, dw, di, T)
     assert not np.any(g.download(ws["counters"])), "arrival counters not reset"
     r = g.view(ws["r"], 0, (T, H), BF16)
     rh = g.download(r)
@@ -6620,7 +6625,7 @@ def test_gpu_router_graph_replays(g):
         dh = g.upload(h)
         dw, di = g.empty((T, k), np.float32), g.empty((T, k), np.int32)
         moe.router_gpu(g, dh, router, dw, di, ws, k, 1e-6)
-        want = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+        want = _router_outputs(g, ws, dw, di, T)
         r = g.view(ws["r"], 0, (T, H), BF16)
         g.fill(dw, 0xFF); g.fill(di, 0xFF)
         g.capture_begin()
@@ -6631,7 +6636,7 @@ def test_gpu_router_graph_replays(g):
             graph.replay()
         g.sync()
         graph.close()
-        got = (g.download(ws["logits"])[:T].copy(), g.download(dw), g.download(di))
+        got = _router_outputs(g, ws, dw, di, T)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want)), f"T={T}: graph replay != eager"
         assert not np.any(g.download(ws["counters"]))
 
