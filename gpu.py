@@ -213,6 +213,7 @@ class GPU:
         self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device),
                               "cuDeviceGetAttribute")
         self._modules = {}                 # name -> Module (cache)
+        self.scratch = {}                  # name -> DeviceArray: buffers kernels' launchers share (layers.linear w16)
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
         self.launch_hook = None            # called after each launch (profiling), see launch()
@@ -439,6 +440,7 @@ class GPU:
         for p in list(self._live):
             check(cu.cuMemFree(p), "cuMemFree")
         self._live.clear()
+        self.scratch.clear()
         for m in self._modules.values():
             check(cu.cuModuleUnload(m.handle), "cuModuleUnload")
         self._modules.clear()

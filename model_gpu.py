@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 import gpu
-from layers import attention, embed
+from layers import attention, embed, linear
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
@@ -119,6 +119,11 @@ class GpuModel(StepTools):
                        keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
                        head_work=g.empty((head_work_bytes(S, t.vocab) // 4,), np.float32))
         self.moe_ws = moe_workspace(g, R, t.experts, t.top_k, H, t.expert_intermediate)
+        if linear.W16_MIN_T is not None and R >= linear.W16_MIN_T:    # the `_ss` launches' bf16 weight copies
+            attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            linear.reserve_w16(g, [grp for w in self.layers for grp in (
+                [w[n] for n in attn if n in w], [w["self_attn.o_proj"]], [w["mlp.gate_proj"], w["mlp.up_proj"]],
+                [w["mlp.down_proj"]])], R)
 
     def _v(self, name, *shape, dtype=BF16):
         """A view of the first rows of a workspace buffer, shaped for this step."""

@@ -3431,6 +3431,7 @@ _LIN_FORMATS = ('fp8_channel', 'fp8_tensor', 'fp8_block', 'bf16')
 @pytest.fixture(scope='module')
 def lin_g():
     g = gpu.GPU()
+    lin_mod.reserve_w16(g, [[lin_mod.GpuLinear('fp8_channel', 8192, 4096, None)]], 2048)   # `_ss`'s copies
     yield g
     g.close()
 
@@ -6321,19 +6322,20 @@ def test_gpu_linear_decode_variants(lin_g):
 # ====================================================================================================
 
 def _with_tile(tile, fn):
-    """fn() with the prefill tile `tile` ('p', 'g128' or 'ws': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS set so
-    that it runs every launch it can take from T = 65; restored after)."""
-    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS
-    lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = {'p': (None, None, 1), 'g128': (65, None, 1),
-                                                               'ws': (65, 65, 1)}[tile]
+    """fn() with the prefill tile `tile` ('p', 'g128', 'ws' or 'ss': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS /
+    W16_MIN_T set so that it runs every launch it can take from T = 65; restored after). 'ss' needs the GPU's w16
+    scratch (lin_g reserves it)."""
+    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T
+    lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T = {
+        'p': (None, None, 1, None), 'g128': (65, None, 1, None), 'ws': (65, 65, 1, None), 'ss': (65, 65, 1, 65)}[tile]
     try:
         return fn()
     finally:
-        lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS = saved
+        lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T = saved
 
 
-# `ws` (wgmma) takes FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
-_TILES = ('p', 'g128', 'ws')
+# `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
+_TILES = ('p', 'g128', 'ws', 'ss')
 
 
 class _LaunchLog:
@@ -6346,6 +6348,9 @@ class _LaunchLog:
 
     def module(self, name):
         return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
+
+    def view(self, a, offset_bytes, shape, dtype):
+        return types.SimpleNamespace(ptr=a.ptr + offset_bytes, shape=shape, dtype=dtype)
 
     def launch(self, f, grid, block, args, shared=0, nbytes=None, pdl=False, flops=None):
         self.launches.append((f, tuple(grid), shared, flops))
@@ -6386,11 +6391,12 @@ def test_linear_prefill_tile_choice():
     shared memory out by them)."""
     src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels_ptx', 'linear_sm90a.cu')).read()
     defs = {}
-    for name, expr in re.findall(r'^#define (WS?_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
+    for name, expr in re.findall(r'^#define ((?:WS?|SS?)_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
         if re.fullmatch(r'[\w\s()*+-]+', expr):                            # the sizes (not the parameter lists)
             defs[name] = eval(expr, {}, dict(defs))
     assert lin_mod.W_GATE == defs['W_GATE'], defs
     assert lin_mod.WS_SMEM == defs['WS_SMEM'] and lin_mod.WS_THREADS == defs['WS_THREADS'], defs
+    assert lin_mod.SS_SMEM == defs['SS_SMEM'], defs
     H, I = 2816, 2112
     bf = lambda t, n: types.SimpleNamespace(shape=(t, n), dtype=BF16, ptr=1024)
 
@@ -6431,6 +6437,37 @@ def test_linear_prefill_tile_choice():
         g = _LaunchLog()
         call(g, 512, fmt)
         assert g.launches[0][0] == ('linear.gemm_fp8blk_bf16_p' if fmt == 'fp8_block' else 'linear.gemm_bf16_bf16_g128')
+    # `_ss` from W16_MIN_T tokens when g's w16 / x16 scratch buffers hold the launch's bf16 copies: x16_bf16 (X's, at
+    # x16's start) and w16_fp8 (a 256-thread CTA a 256 pieces of 16 B of the largest projection, grid y = projections;
+    # the copies side by side from w16's start), then `_ss` on `_ws`'s grid with X and W_p = the copies; below
+    # W16_MIN_T, or with a scratch buffer missing or too small, `_ws`
+    full, xs = 8192 * 2816 * 2, 4096 * 4096 * 2
+    for call, t, nbytes, xbytes, want in (
+            (qkv, 2048, full, xs, 'ss'), (gelu, 1024, full, xs, 'ss'), (qkv, 2048, full - 2, xs, 'ws'),
+            (qkv, lin_mod.W16_MIN_T - 1, full, xs, 'ws'), (o_proj, 4096, full, xs, 'ss'),
+            (o_proj, 4096, full, xs - 2, 'ws'), (qkv, 2048, full, None, 'ws')):
+        g = _LaunchLog()
+        g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=nbytes)}
+        if xbytes:
+            g.scratch['x16'] = types.SimpleNamespace(ptr=1 << 30, nbytes=xbytes)
+        call(g, t)
+        kind = 'gelu' if call is gelu else 'gemm'
+        names = [f for f, *_ in g.launches]
+        if want == 'ws':
+            assert names == [f'linear_sm90a.{kind}_fp8_bf16_ws'], (call.__name__, t, nbytes, names)
+            continue
+        rows, k = {'qkv': ((4096, 2048, 2048), H), 'gelu': ((I, I), H), 'o_proj': ((H,), 4096)}[call.__name__]
+        units = -(-k // 64)
+        assert names == ['linear_sm90a.x16_bf16', 'linear_sm90a.w16_fp8', f'linear_sm90a.{kind}_fp8_bf16_ss'], names
+        assert g.launches[0][1] == (-(-t * units * 8 // 256), 1, 1) and g.pdl == [True, True, True]
+        assert g.launches[1][1] == (-(-max(rows) * units * 8 // 256), len(rows), 1)
+        offs = np.cumsum((0,) + tuple(2 * 64 * units * n for n in rows))[:-1]
+        xconv, conv, ss = g.args
+        assert xconv[1].ptr == 1 << 30 and xconv[2:] == [t, k] and ss[0].ptr == 1 << 30 and ss[1:3] == [t, k]
+        assert [a.ptr for a in conv[2:3 * len(rows):3]] == [(1 << 20) + int(o) for o in offs], conv
+        assert [a.ptr for a in ss[3:3 + 5 * len(rows):5]] == [(1 << 20) + int(o) for o in offs], ss
+        assert g.launches[2][1] == (132, 1, 1) and g.launches[2][2] == lin_mod.SS_SMEM + (lin_mod.W_GATE
+                                                                                          if call is gelu else 0)
     g = _LaunchLog()
     qkv(g, 64)                                                              # decode sizes: the decode family
     assert not g.launches[0][0].endswith(('_ws', '_p', '_g128')), g.launches
@@ -6439,8 +6476,9 @@ def test_linear_prefill_tile_choice():
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
-    """Every prefill tile (`_p`, `_g128`, the persistent wgmma tile `_ws`) gives the decode family's bytes, row by
-    row: plain (bf16 out; f32 out for bf16 weights), fused multi and gate_up_gelu (`_p` and `_ws`),
+    """Every prefill tile (`_p`, `_g128`, the persistent wgmma tile `_ws` and its copy-fed form `_ss`) gives the decode
+    family's bytes, row by row: plain (bf16 out; f32 out for bf16 weights), fused multi and gate_up_gelu (`_p`, `_ws`,
+    `_ss`),
     at T = 1100 and 130, for K with 44 / 11 / 4 (partial) / 1 units (K < 512 leaves slices empty) and N off the
     128-row tile. `ws7` runs `_ws` on 7 CTAs (as if the GPU had 7 SMs), so that each CTA runs many tiles and its
     stage ring wraps across them."""

@@ -53,15 +53,6 @@ __device__ __forceinline__ uint32_t wg_fv(uint32_t bars, int st) { return bars +
 __device__ __forceinline__ uint32_t wg_ek(uint32_t bars, int st) { return bars + 8 * (WKS + WVS + st); }
 __device__ __forceinline__ uint32_t wg_ev(uint32_t bars, int st) { return bars + 8 * (2 * WKS + WVS + st); }
 
-// wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading / stride byte
-// offsets (16-byte units). Q and K (K-major): stride 1024 (the next 8 rows), leading unused (16); a k step of 16 d
-// starts 32 bytes on inside a 64-d atom. V (MN-major, transposed B): leading WATOM (the next 64 columns), stride 1024
-// (the next 8 keys); the other assignment gave other bytes (H200, 2026-11-30).
-__device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lead >> 4) << 16) | ((uint64_t)(stride >> 4) << 32) |
-           (1ull << 62);
-}
-
 // piece i of a 64-row x D tile: row i / 32, 16-byte piece i % 32 (a warp one row: 512 contiguous bytes), stored at
 // [piece / 8][row][128 B] with the 8 pieces of a row's 128 bytes XOR-swizzled by row % 8 (the wgmma 128-byte swizzle
 // of a 1024-byte aligned atom of 8 rows)

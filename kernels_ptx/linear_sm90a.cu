@@ -1,7 +1,8 @@
 // The wgmma prefill tile `_ws` (sm_90a: Hopper's warpgroup MMA) for FP8 tensor / channel weights: the per-output
 // arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 2.3-3.2x their rate (T = 2048)
 // (BENCHMARKS.md, fifth and ninth sessions). Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu
-// (as `_p`); layers/linear.py picks it.
+// (as `_p`); layers/linear.py picks it. `_ss` (end of the file) is the same tile fed from bf16, slot-ordered copies
+// of W and X, for long prompts.
 //
 // Why the bits are the same (measured on the H200, 2026-11-30, before the first wgmma kernel was written: 147,456
 // outputs of chained k16 steps, operands spread over 2^-20 .. 2^20, non-zero accumulators, no bit differed):
@@ -94,11 +95,40 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
 #define WS_REGS_COMPUTE 216                 // setmaxnreg: 2 x 128 x 216 + 128 x 72 = 384 x 168 (the launch's)
 #define WS_REGS_LOAD 72
 
-__device__ __forceinline__ uint32_t ws_full(uint32_t bars, uint32_t m) { return bars + 8 * (m % WS_STAGES); }
-__device__ __forceinline__ uint32_t ws_empty(uint32_t bars, uint32_t m) {
-    return bars + 8 * (WS_STAGES + m % WS_STAGES);
+// `_ss` (the same tile from bf16, slot-ordered copies of W and X; see the section before w16_fp8): stage m % SS_STAGES
+// is A (128 W rows x 128 B) then B (128 tokens x 128 B), each in wgmma's K-major 128-byte swizzled layout (8-row atoms
+// of 1024 B, 1024-byte aligned).
+#define S_ABYTES (W_ROWS * 128)             // bf16 W (or X) of one unit
+#define SS_STAGES 6
+#define SS_BARS (SS_STAGES * 2 * S_ABYTES)
+#define SS_SMEM (SS_BARS + 2 * SS_STAGES * 8)   // 196,704 B dynamic smem (+ W_GATE for gelu: 213,088)
+// The ring of form SS (`_ss`) or not (`_ws`): stages, smem bytes before the gelu buffers, the mbarriers' offset, and
+// the offsets of stage `slot`'s W (A) and X (B) bytes.
+template <bool SS> __host__ __device__ constexpr int ring_stages() { return SS ? SS_STAGES : WS_STAGES; }
+template <bool SS> __host__ __device__ constexpr int ring_smem() { return SS ? SS_SMEM : WS_SMEM; }
+template <bool SS> __host__ __device__ constexpr uint32_t ring_bars() { return SS ? SS_BARS : WS_BARS; }
+template <bool SS> __device__ __forceinline__ uint32_t a_off(uint32_t slot) {
+    return SS ? slot * 2 * S_ABYTES : slot * W_STAGE;
 }
-__device__ __forceinline__ uint32_t ws_parity(uint32_t m) { return (m / WS_STAGES) & 1; }
+template <bool SS> __device__ __forceinline__ uint32_t x_off(uint32_t slot) {
+    return SS ? slot * 2 * S_ABYTES + S_ABYTES : slot * W_STAGE + W_WBYTES;
+}
+// Tile `tile` of a launch -> row tile b and first token t0. `_ws`: row tiles fastest (as the decode order); `_ss`:
+// token tiles fastest, so that the CTAs running at once share a few row tiles of the bf16 W copy (twice the FP8
+// bytes: a 2,048-token q+k+v's 46 MB, re-read from DRAM for every token tile the other way) and all of X's copy.
+template <bool SS>
+__device__ __forceinline__ void tile_at(int tile, int row_tiles, int T, int &b, int &t0) {
+    const int token_tiles = (T + W_TOK - 1) / W_TOK;
+    b = SS ? tile / token_tiles : tile % row_tiles;
+    t0 = (SS ? tile % token_tiles : tile / row_tiles) * W_TOK;
+}
+
+// The mbarriers of a ring of S stages: full[S], empty[S].
+template <int S> __device__ __forceinline__ uint32_t ws_full(uint32_t bars, uint32_t m) { return bars + 8 * (m % S); }
+template <int S> __device__ __forceinline__ uint32_t ws_empty(uint32_t bars, uint32_t m) {
+    return bars + 8 * (S + m % S);
+}
+template <int S> __device__ __forceinline__ uint32_t ws_parity(uint32_t m) { return (m / S) & 1; }
 // The calling thread's warpgroup, warp-uniform as far as ptxas can tell (a shuffle from lane 0): wgmma under a branch
 // on threadIdx.x itself is serialized (ptxas C7518, "WG.DP in divergent path").
 __device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0); }
@@ -153,7 +183,7 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
         for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
-            mbar_wait(ws_empty(bars, m), ws_parity(m) ^ 1);
+            mbar_wait(ws_empty<WS_STAGES>(bars, m), ws_parity<WS_STAGES>(m) ^ 1);
             const int k0 = u << 6;
             const uint32_t st = (m % WS_STAGES) * W_STAGE;
             if (k0 + 64 <= K) {
@@ -183,36 +213,92 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
             if (m >= WS_LAG) {
                 cp_async_wait<WS_LAG>();                      // unit m - WS_LAG's pieces (this thread's) have landed
                 fence_proxy_async();
-                mbar_arrive(ws_full(bars, m - WS_LAG));
+                mbar_arrive(ws_full<WS_STAGES>(bars, m - WS_LAG));
             }
         }
     }
     cp_async_wait<0>();
     fence_proxy_async();
-    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full(bars, i));
+    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<WS_STAGES>(bars, i));
 }
 
-// One unit of a compute warpgroup: A fragments into a[BUF], 4 wgmmas, and the stage(s) handed back (`pend`: the
-// previous unit's stage while its wgmmas may still run). The last unit of a slice is folded into tot.
-template <int BUF>
+// `_ss`'s loader: A from the bf16 copy of W (w16_fp8), X from the slot-ordered copy of X (x16_bf16), rows of Kp = 64
+// units whose columns past K are already +0 there (no zero fill), into the stage's two swizzled 128-row halves:
+// thread pt copies rows (pt >> 3) + 16 i, i = 0..7, 16-byte piece pt & 7 of the row's 128 bytes, so that 8 lanes
+// copy one row's whole line into one line of the atom, both sides. Rows past N / tokens past T: row N - 1 / token
+// T - 1 (as `_ws`).
+template <bool GELU>
+__device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
+                                        const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int RT = GELU ? 64 : W_ROWS, S = SS_STAGES;
+    const int pt = threadIdx.x - 256, prow = pt >> 3, pc = pt & 7;
+    const uint32_t dst = sbase + (prow >> 3) * 1024 + (prow & 7) * 128 + ((pc ^ (prow & 7)) << 4);
+    const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3), kp = 64 * units;
+    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    uint32_t m = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int b, t0;
+        tile_at<true>(tile, row_tiles, T, b, t0);
+        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
+        const int row0 = b * RT;
+        const __nv_bfloat16 *w[8], *x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
+            const bool up = GELU && i >= 4;
+            const int row = min(row0 + prow + 16 * i - (up ? 64 : 0), p0.N - 1);
+            w[i] = reinterpret_cast<const __nv_bfloat16 *>(up ? q1.W : p0.W) + (size_t)row * kp + 8 * pc;
+            x[i] = X + (size_t)min(t0 + prow + 16 * i, T - 1) * kp + 8 * pc;
+        }
+        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
+            mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
+            const uint32_t st = a_off<true>(m % S);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                cp_async16_full(dst + st + 2048 * i, w[i] + 64 * u);
+                cp_async16_full(dst + st + S_ABYTES + 2048 * i, x[i] + 64 * u);
+            }
+            cp_async_commit();
+            if (m >= WS_LAG) {
+                cp_async_wait<WS_LAG>();                      // unit m - WS_LAG's pieces (this thread's) have landed
+                fence_proxy_async();
+                mbar_arrive(ws_full<S>(bars, m - WS_LAG));
+            }
+        }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<S>(bars, i));
+}
+
+// One unit of a compute warpgroup: A fragments into a[BUF] (SS: A read from the stage by the wgmmas: rows
+// 64 wg .. 64 wg + 63 are the warpgroup's 8 atoms, a k16 step 32 bytes on), 4 wgmmas, and the stage(s) handed back
+// (`pend`: the previous unit's stage while its wgmmas may still run). The last unit of a slice is folded into tot.
+template <bool SS, int BUF>
 __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pend, uint8_t *smem, uint32_t sbase,
-                                        uint32_t bars, int r, int q, float (&acc)[64], float (&tot)[64],
+                                        uint32_t bars, int r, int q, int wg, float (&acc)[64], float (&tot)[64],
                                         uint32_t (&a)[2][4][4]) {
-    const uint32_t st = (m % WS_STAGES) * W_STAGE;
-    mbar_wait(ws_full(bars, m), ws_parity(m));
-    w_stage_a(smem + st, r, q, a[BUF]);
+    constexpr int S = ring_stages<SS>();
+    const uint32_t slot = m % S, xs = sbase + x_off<SS>(slot);
+    mbar_wait(ws_full<S>(bars, m), ws_parity<S>(m));
+    if (!SS) w_stage_a(smem + a_off<SS>(slot), r, q, a[BUF]);
     wg_fence();
     fence_acc(acc);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_n<128>(acc, a[BUF][j], x_desc(sbase + st + W_WBYTES + j * W_XSTEP));
+    for (int j = 0; j < 4; ++j) {
+        if (SS)
+            wgmma_ss128(acc, sw_desc(sbase + a_off<SS>(slot) + wg * 8192 + 32 * j, 16, 1024),
+                        sw_desc(xs + 32 * j, 16, 1024));
+        else
+            wgmma_n<128>(acc, a[BUF][j], x_desc(xs + j * W_XSTEP));
+    }
     wg_commit();
     const bool lead = (threadIdx.x & 31) == 0;
     if (u + 8 >= units) {                                     // the last unit of slice u % 8: fold it
         wg_wait<0>();
         fence_acc(acc);
         if (lead) {
-            if (pend >= 0) mbar_arrive(ws_empty(bars, pend));
-            mbar_arrive(ws_empty(bars, m));
+            if (pend >= 0) mbar_arrive(ws_empty<S>(bars, pend));
+            mbar_arrive(ws_empty<S>(bars, m));
         }
         pend = -1;
 #pragma unroll
@@ -222,7 +308,7 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
         }
     } else {
         wg_wait<1>();                                         // the previous unit's wgmmas are done
-        if (lead && pend >= 0) mbar_arrive(ws_empty(bars, pend));
+        if (lead && pend >= 0) mbar_arrive(ws_empty<S>(bars, pend));
         pend = m;
     }
     u = w_next_unit(u, units);
@@ -274,7 +360,7 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
 // through shared memory: `gate` (warpgroup 0's, e >= 32) and `up` (warpgroup 1's, e < 32), 8 KB each; named
 // barriers 1 / 4 = gate / up written, 2 / 3 = gate / up read. (Warpgroup 1 had stored all of them while 0 waited:
 // T = 2048 142.1 -> 128.5 us, 343 -> 379 TFLOP/s against the plain tile's ~425; sixteenth session.)
-template <bool GELU>
+template <bool GELU, bool SS>
 __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
                                            int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
     constexpr int RT = GELU ? 64 : W_ROWS;
@@ -283,7 +369,7 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the tile
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
-    __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + WS_SMEM);   // [(e - 32) * 128 + thread in group]
+    __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + ring_smem<SS>());   // [(e - 32) * 128 + thread in group]
     __nv_bfloat16 *up = gate + 32 * 128;                                        // [e * 128 + thread in group]
     const int wg = warpgroup(), tg = threadIdx.x & 127;
     if (GELU) {                                               // both buffers start free
@@ -297,16 +383,16 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     for (int e = 0; e < 64; ++e) acc[e] = 0.f;
     float tot[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b = tile % row_tiles;
-        const int t0 = (tile / row_tiles) * W_TOK;
+        int b, t0;
+        tile_at<SS>(tile, row_tiles, T, b, t0);
         const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
         const int row0 = b * RT;
 #pragma unroll
         for (int e = 0; e < 64; ++e) tot[e] = -0.f;
         int pend = -1;
         for (int n = 0, u = 0; n < units; n += 2) {
-            ws_unit<0>(u, units, m, pend, smem, sbase, bars, r, q, acc, tot, a);
-            if (n + 1 < units) ws_unit<1>(u, units, m, pend, smem, sbase, bars, r, q, acc, tot, a);
+            ws_unit<SS, 0>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
+            if (n + 1 < units) ws_unit<SS, 1>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
         }
         wg_wait<0>();                                         // (a no-op: the last unit was a slice end) so that
         fence_acc(acc);                                       // ptxas need not wait in the loop
@@ -330,26 +416,29 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     }
 }
 
-template <bool GELU>
+template <bool GELU, bool SS>
 __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
                                         const Proj &q1, const Proj &q2, const Proj &q3) {
-    extern __shared__ __align__(128) uint8_t smem[];
+    extern __shared__ __align__(1024) uint8_t smem[];        // (`_ss`: swizzled atoms, 1024-byte aligned)
+    constexpr int S = ring_stages<SS>();
     pdl_trigger();
     pdl_wait();
     const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-    const uint32_t bars = sbase + WS_BARS;
-    if (threadIdx.x < WS_STAGES) {
+    if (SS && threadIdx.x == 0 && (sbase & 1023)) __trap();  // loudly: the swizzle would read other bytes
+    const uint32_t bars = sbase + ring_bars<SS>();
+    if (threadIdx.x < S) {
         mbar_init(bars + 8 * threadIdx.x, 128);               // full: the loader's 128 threads
-        mbar_init(bars + 8 * (WS_STAGES + threadIdx.x), 8);   // empty: the 8 compute warps
+        mbar_init(bars + 8 * (S + threadIdx.x), 8);           // empty: the 8 compute warps
     }
     __syncthreads();
     if (warpgroup() == 2) {
         regs_dec<WS_REGS_LOAD>();
-        ws_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
+        if (SS) ss_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
+        else ws_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
         return;
     }
     regs_inc<WS_REGS_COMPUTE>();
-    ws_compute<GELU>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
+    ws_compute<GELU, SS>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
 }
 
 // linear.cu's signature (X, T, K, 4 x (W, S, s_arg, Y, N)); FP8 e4m3 weights with a per-tensor (s_arg 0) /
@@ -365,9 +454,81 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
 #define W_PROJS {{W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}}
 extern "C" __global__ void __launch_bounds__(WS_THREADS) gemm_fp8_bf16_ws(W_PARAMS) {
     const Proj p[4] = W_PROJS;
-    ws_body<false>(X, T, K, p[0], p[1], p[2], p[3]);
+    ws_body<false, false>(X, T, K, p[0], p[1], p[2], p[3]);
 }
 extern "C" __global__ void __launch_bounds__(WS_THREADS) gelu_fp8_bf16_ws(W_PARAMS) {
     const Proj p[4] = W_PROJS;
-    ws_body<true>(X, T, K, p[0], p[1], p[2], p[3]);
+    ws_body<true, false>(X, T, K, p[0], p[1], p[2], p[3]);
+}
+
+// ---- `_ss`: the same tile with both wgmma operands from shared memory ----
+// For long prompts: the FP8 -> bf16 conversion is done once per launch instead of once per token tile, and X is put
+// in the slot order once, so that the loader copies whole 128-byte lines of both operands (`_ws` copies X in 8-byte
+// pieces: the slots of a k16 step are 4 groups of 4 columns 16 apart). w16_fp8 writes a bf16 copy of the launch's
+// weights, x16_bf16 one of X, into scratch buffers (layers/linear.py reserve_w16); `_ss` reads both through the
+// loader in wgmma's K-major 128-byte swizzled layout. The copies hold each 64-column unit in the slots' order (header):
+// 16-byte piece 2j + h of a row's unit = slots 8h .. 8h + 7 of k16 step j = columns 64u + 32h + 4j + 0..3 and
+// 64u + 32h + 16 + 4j + 0..3; columns past K are +0 (as `_ws`'s zero fill). So a k16 step is 32 contiguous bytes of
+// each row on both sides, and every product meets the X column that `_ws` meets it with, in the same step: the same
+// bits. Rows of Kp = 64 ceil(K / 64) columns. Both: 8 threads a (row, unit), thread t writing piece t (a warp 512
+// contiguous bytes) from the unit's two words of it (a warp reads the units' 256 / 512 contiguous bytes); grid
+// (ceil(rows * units * 8 / 256), ..), block 256.
+__device__ __forceinline__ void slot_piece(long long i, int units, long long &row, int &c0) {
+    const int t = (int)(i & 7);
+    const long long ru = i >> 3;                                             // row * units + unit
+    row = ru / units;
+    c0 = 64 * (int)(ru % units) + 32 * (t & 1) + 4 * (t >> 1);             // the piece's first column; 2nd: + 16
+}
+
+// w16_fp8: Y_p (N_p, Kp) bf16 for projections p = blockIdx.y (W_p e4m3 (N_p, K)). PDL: the weights are read before
+// griddepcontrol.wait, Y written after it (the previous `_ss` launch may still read Y).
+extern "C" __global__ void __launch_bounds__(256) w16_fp8(int K, const uint8_t *__restrict__ W0, uint4 *Y0, int N0,
+                                                          const uint8_t *__restrict__ W1, uint4 *Y1, int N1,
+                                                          const uint8_t *__restrict__ W2, uint4 *Y2, int N2,
+                                                          const uint8_t *__restrict__ W3, uint4 *Y3, int N3) {
+    const int p = blockIdx.y, units = (K + 63) >> 6;
+    const uint8_t *W = p == 0 ? W0 : p == 1 ? W1 : p == 2 ? W2 : W3;
+    uint4 *Y = p == 0 ? Y0 : p == 1 ? Y1 : p == 2 ? Y2 : Y3;
+    const int N = p == 0 ? N0 : p == 1 ? N1 : p == 2 ? N2 : N3;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;   // piece i = row * Kp / 8 + 8 unit + t
+    const bool own = i < (long long)N * units * 8;
+    long long row;
+    int c0;
+    slot_piece(i, units, row, c0);
+    uint32_t w0 = 0, w1 = 0;
+    if (own && c0 < K) w0 = __ldg(reinterpret_cast<const uint32_t *>(W + row * K + c0));
+    if (own && c0 + 16 < K) w1 = __ldg(reinterpret_cast<const uint32_t *>(W + row * K + c0 + 16));
+    pdl_wait();
+    pdl_trigger();
+    if (!own) return;
+    uint4 v;
+    e4m3x4_to_bf16x4(w0, v.x, v.y);
+    e4m3x4_to_bf16x4(w1, v.z, v.w);
+    Y[i] = v;
+}
+
+// x16_bf16: Y (T, Kp) bf16 = X (T, K) bf16 in the slot order. pdl_entry: X is the previous kernel's output.
+extern "C" __global__ void __launch_bounds__(256) x16_bf16(const __nv_bfloat16 *X, uint4 *Y, int T, int K) {
+    pdl_entry();
+    const int units = (K + 63) >> 6;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * units * 8) return;
+    long long row;
+    int c0;
+    slot_piece(i, units, row, c0);
+    uint2 a = make_uint2(0, 0), b = make_uint2(0, 0);
+    if (c0 < K) a = *reinterpret_cast<const uint2 *>(X + row * K + c0);
+    if (c0 + 16 < K) b = *reinterpret_cast<const uint2 *>(X + row * K + c0 + 16);
+    Y[i] = make_uint4(a.x, a.y, b.x, b.y);
+}
+
+// gemm_fp8_bf16_ss / gelu_fp8_bf16_ss: `_ws`'s launches (same arguments, grid and block) with X = x16_bf16's copy and
+// W_p = w16_fp8's (rows of Kp; K and S_p as for `_ws`); dynamic smem SS_SMEM (+ W_GATE for gelu).
+extern "C" __global__ void __launch_bounds__(WS_THREADS) gemm_fp8_bf16_ss(W_PARAMS) {
+    const Proj p[4] = W_PROJS;
+    ws_body<false, true>(X, T, K, p[0], p[1], p[2], p[3]);
+}
+extern "C" __global__ void __launch_bounds__(WS_THREADS) gelu_fp8_bf16_ss(W_PARAMS) {
+    const Proj p[4] = W_PROJS;
+    ws_body<true, true>(X, T, K, p[0], p[1], p[2], p[3]);
 }

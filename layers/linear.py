@@ -33,6 +33,16 @@ W_MIN_T, W_MIN_CTAS = 65, 64
 W_GATE = 64 * 2 * 128                                               # gelu: + the gate / up halves exchanged
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
 WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
+# `_ss` (linear_sm90a.cu): the `_ws` tile from bf16 copies of its FP8 weights (w16_fp8) and of X (x16_bf16), each
+# unit's columns put in the k16 steps' slot order once per launch, so that the loader copies whole 128-byte lines of
+# both wgmma operands and the compute warps convert nothing; the same bits. The copies go to the GPU's 'w16' / 'x16'
+# scratch buffers, which the model reserves (reserve_w16). Taken instead of `_ws` from W16_MIN_T tokens when the
+# scratch holds the launch's copies (None: never). H200, 2026-12-01 (dev A/B, eager steps, medians of 5, the same
+# bytes): the 2,048-token prefill step 49.56 -> 46.87 ms, 1,024 tokens 27.48 -> 26.57, but 508 tokens 15.88 -> 16.31
+# (the copies cost the same at any T): hence the threshold.
+W16_MIN_T = 1024
+SS_SMEM = 6 * 2 * 128 * 128 + 2 * 6 * 8                           # 6 stages of A + B, their mbarriers
+W16_THREADS = 256
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -100,6 +110,59 @@ def upload_linear(g, raw):
     raise ValueError(f'linear {raw.shape}: format {raw.format} has no dense GPU kernel')
 
 
+def _kp(k):
+    return -(-k // 64) * 64
+
+
+def w16_bytes(ws):
+    """Bytes of the bf16 copies that one `_ss` launch over the GpuLinears ws needs (rows of Kp = 64 ceil(K / 64))."""
+    return sum(w.N * _kp(w.K) * 2 for w in ws)
+
+
+def reserve_w16(g, launches, rows):
+    """Give g the scratch buffers of the `_ss` launches: 'w16' for the weights' copies (launches = lists of
+    GpuLinears that go in one launch: q + k + v, o_proj, gate + up, down; the largest of those with FP8 tensor /
+    channel weights sets its size) and 'x16' for X's (rows x the largest Kp x 2 B). Kept while g lives; a larger
+    request replaces a buffer. Only where `_ss` can run (sm_90)."""
+    fp8 = [ws for ws in launches if ws and all(w.format in ('fp8_tensor', 'fp8_channel') for w in ws)]
+    if g.capability != (9, 0) or not fp8 or rows <= 0:
+        return
+    for name, nbytes in (('w16', max(w16_bytes(ws) for ws in fp8)),
+                         ('x16', rows * max(_kp(w.K) for ws in fp8 for w in ws) * 2)):
+        old = g.scratch.get(name)
+        if old is None or old.nbytes < nbytes:
+            if old is not None:
+                g.free(old)
+            g.scratch[name] = g.empty((nbytes,), np.uint8)
+
+
+def _ss_copies(g, x, projs):
+    """x16_bf16 and w16_fp8 of a launch into g's scratch -> (X's copy, projs with W = their copies), or None when a
+    scratch buffer is missing or too small (then `_ws` runs)."""
+    t, k = x.shape
+    kp = _kp(k)
+    scratch = getattr(g, 'scratch', {})
+    wbuf, xbuf = scratch.get('w16'), scratch.get('x16')
+    sizes = [n * kp * 2 for *_, n in projs]
+    if wbuf is None or xbuf is None or wbuf.nbytes < sum(sizes) or xbuf.nbytes < t * kp * 2:
+        return None
+    mod, units = g.module('linear_sm90a'), kp // 64
+    x16 = g.view(xbuf, 0, (t, kp), BF16)
+    g.launch(mod.function('x16_bf16'), grid=(-(-t * units * 8 // W16_THREADS), 1, 1), block=(W16_THREADS, 1, 1),
+             args=[x, x16, t, k], nbytes=2 * t * (k + kp), pdl=True)
+    args, out, off = [k], [], 0
+    for (w_ptr, s, s_arg, o, n), size in zip(projs, sizes):
+        y = g.view(wbuf, off, (n, kp), BF16)
+        args += [w_ptr, y, n]
+        out.append((y, s, s_arg, o, n))
+        off += size
+    args += [None, None, 0] * (4 - len(projs))
+    pieces = max(n for *_, n in projs) * units * 8
+    g.launch(mod.function('w16_fp8'), grid=(-(-pieces // W16_THREADS), len(projs), 1), block=(W16_THREADS, 1, 1),
+             args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
+    return x16, out
+
+
 def _nt_suffix(t):
     """Decode family: tokens per CTA (8, 16, 32 or 64) for T rows: fewer idle mma columns and registers at small T. Only
     the grouping of outputs into CTAs changes with it, never any output's arithmetic."""
@@ -156,9 +219,16 @@ def _launch(g, kernel, x, projs, gelu=False):
     w_tiles = (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // 128)   # gelu: 64 rows a tile
     if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles >= W_MIN_CTAS
             and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
-        f = g.module('linear_sm90a').function(f'{kernel}_ws')
+        ss = _ss_copies(g, x, projs) if W16_MIN_T is not None and t >= W16_MIN_T else None
+        if ss is not None:
+            x16, copies = ss
+            args = [x16, t, k]
+            for p in copies + [(None, None, 0, None, 0)] * (4 - len(copies)):
+                args += list(p)
+        f = g.module('linear_sm90a').function(f'{kernel}_{"ss" if ss else "ws"}')
         g.launch(f, grid=(min(w_tiles, g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
-                 shared=WS_SMEM + (W_GATE if gelu else 0), nbytes=wbytes, flops=flops, pdl=True)
+                 shared=(SS_SMEM if ss else WS_SMEM) + (W_GATE if gelu else 0),
+                 nbytes=2 * _kp(k) * sum(rows) if ss else wbytes, flops=flops, pdl=True)
         return
     if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
         f = g.module('linear').function(f'{kernel}_g128')
