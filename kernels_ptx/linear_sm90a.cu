@@ -452,14 +452,14 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
         const void *W1, const float *S1, int sa1, void *Y1, int N1, const void *W2, const float *S2, int sa2,     \
         void *Y2, int N2, const void *W3, const float *S3, int sa3, void *Y3, int N3
 #define W_PROJS {{W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}}
-extern "C" __global__ void __launch_bounds__(WS_THREADS) gemm_fp8_bf16_ws(W_PARAMS) {
-    const Proj p[4] = W_PROJS;
-    ws_body<false, false>(X, T, K, p[0], p[1], p[2], p[3]);
-}
-extern "C" __global__ void __launch_bounds__(WS_THREADS) gelu_fp8_bf16_ws(W_PARAMS) {
-    const Proj p[4] = W_PROJS;
-    ws_body<true, false>(X, T, K, p[0], p[1], p[2], p[3]);
-}
+// One entry point of the tile: ws_body<GELU, SS> over W_PARAMS (also `_ss`'s, at the end of the file).
+#define W_ENTRY(NAME, GELU, SS)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS) NAME(W_PARAMS) {                                   \
+        const Proj p[4] = W_PROJS;                                                                              \
+        ws_body<GELU, SS>(X, T, K, p[0], p[1], p[2], p[3]);                                                     \
+    }
+W_ENTRY(gemm_fp8_bf16_ws, false, false)
+W_ENTRY(gelu_fp8_bf16_ws, true, false)
 
 // ---- `_ss`: the same tile with both wgmma operands from shared memory ----
 // For long prompts: the FP8 -> bf16 conversion is done once per launch instead of once per token tile, and X is put
@@ -524,11 +524,5 @@ extern "C" __global__ void __launch_bounds__(256) x16_bf16(const __nv_bfloat16 *
 
 // gemm_fp8_bf16_ss / gelu_fp8_bf16_ss: `_ws`'s launches (same arguments, grid and block) with X = x16_bf16's copy and
 // W_p = w16_fp8's (rows of Kp; K and S_p as for `_ws`); dynamic smem SS_SMEM (+ W_GATE for gelu).
-extern "C" __global__ void __launch_bounds__(WS_THREADS) gemm_fp8_bf16_ss(W_PARAMS) {
-    const Proj p[4] = W_PROJS;
-    ws_body<false, true>(X, T, K, p[0], p[1], p[2], p[3]);
-}
-extern "C" __global__ void __launch_bounds__(WS_THREADS) gelu_fp8_bf16_ss(W_PARAMS) {
-    const Proj p[4] = W_PROJS;
-    ws_body<true, true>(X, T, K, p[0], p[1], p[2], p[3]);
-}
+W_ENTRY(gemm_fp8_bf16_ss, false, true)
+W_ENTRY(gelu_fp8_bf16_ss, true, true)
