@@ -138,7 +138,9 @@ def reserve_w16(g, launches, rows):
 
 def _ss_copies(g, x, projs):
     """x16_bf16 and w16_fp8 of a launch into g's scratch -> (X's copy, projs with W = their copies), or None when a
-    scratch buffer is missing or too small (then `_ws` runs)."""
+    scratch buffer is missing or too small (then `_ws` runs). One pair of buffers a GPU: `_ss` launches must not run
+    on two streams at once (the model's: the main stream's, and the dense MLP's on the branch while the main stream
+    runs only the router and the experts)."""
     t, k = x.shape
     kp = _kp(k)
     scratch = getattr(g, 'scratch', {})
