@@ -232,7 +232,9 @@ class GpuModel(StepTools):
                             router=(r, w["experts"]["router_scale"], H ** -0.5))
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
-        # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch).
+        # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch). The MLP's
+        # prompt launches use the GPU's one `_ss` scratch (layers.linear), so no dense launch may join the main
+        # stream's side of this window.
         act = self._v("act", T, I)
         with g.branch():
             gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
