@@ -129,6 +129,20 @@ template <int S> __device__ __forceinline__ uint32_t ws_empty(uint32_t bars, uin
     return bars + 8 * (S + m % S);
 }
 template <int S> __device__ __forceinline__ uint32_t ws_parity(uint32_t m) { return (m / S) & 1; }
+// A loader's hand-over of unit m (its pieces committed as one cp.async group): unit m - WS_LAG's full barrier once
+// this thread's pieces of it have landed and are fenced for the tensor cores; ring_drain: the last ones, at the end.
+template <int S> __device__ __forceinline__ void ring_handoff(uint32_t bars, uint32_t m) {
+    if (m >= WS_LAG) {
+        cp_async_wait<WS_LAG>();
+        fence_proxy_async();
+        mbar_arrive(ws_full<S>(bars, m - WS_LAG));
+    }
+}
+template <int S> __device__ __forceinline__ void ring_drain(uint32_t bars, uint32_t m) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<S>(bars, i));
+}
 // The calling thread's warpgroup, warp-uniform as far as ptxas can tell (a shuffle from lane 0): wgmma under a branch
 // on threadIdx.x itself is serialized (ptxas C7518, "WG.DP in divergent path").
 __device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0); }
@@ -169,8 +183,8 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
     uint32_t m = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b = tile % row_tiles;
-        const int t0 = (tile / row_tiles) * W_TOK;
+        int b, t0;
+        tile_at<false>(tile, row_tiles, T, b, t0);
         const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
         const int row0 = b * RT;
         const uint8_t *w[4];
@@ -185,7 +199,7 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
         for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
             mbar_wait(ws_empty<WS_STAGES>(bars, m), ws_parity<WS_STAGES>(m) ^ 1);
             const int k0 = u << 6;
-            const uint32_t st = (m % WS_STAGES) * W_STAGE;
+            const uint32_t st = a_off<false>(m % WS_STAGES);
             if (k0 + 64 <= K) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) cp_async16_full(wdst + st + 2048 * i, w[i] + k0);
@@ -210,16 +224,10 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
                     }
             }
             cp_async_commit();
-            if (m >= WS_LAG) {
-                cp_async_wait<WS_LAG>();                      // unit m - WS_LAG's pieces (this thread's) have landed
-                fence_proxy_async();
-                mbar_arrive(ws_full<WS_STAGES>(bars, m - WS_LAG));
-            }
+            ring_handoff<WS_STAGES>(bars, m);
         }
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<WS_STAGES>(bars, i));
+    ring_drain<WS_STAGES>(bars, m);
 }
 
 // `_ss`'s loader: A from the bf16 copy of W (w16_fp8), X from the slot-ordered copy of X (x16_bf16), rows of Kp = 64
@@ -258,16 +266,10 @@ __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __n
                 cp_async16_full(dst + st + S_ABYTES + 2048 * i, x[i] + 64 * u);
             }
             cp_async_commit();
-            if (m >= WS_LAG) {
-                cp_async_wait<WS_LAG>();                      // unit m - WS_LAG's pieces (this thread's) have landed
-                fence_proxy_async();
-                mbar_arrive(ws_full<S>(bars, m - WS_LAG));
-            }
+            ring_handoff<S>(bars, m);
         }
     }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<S>(bars, i));
+    ring_drain<S>(bars, m);
 }
 
 // One unit of a compute warpgroup: A fragments into a[BUF] (SS: A read from the stage by the wgmmas: rows

@@ -85,11 +85,12 @@ WGMMA_BF16(56, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%1
 WGMMA_BF16(64, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,"
                "%26,%27,%28,%29,%30,%31", "{%32,%33,%34,%35}, %36", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12),
                WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28))
-#define WG_N128 /* N = 128's operands, for both B layouts */                                                        \
+#define WG_D128 /* the 64 accumulators of an N = 128 wgmma */                                                      \
     "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,"  \
-        "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"    \
-        "%56,%57,%58,%59,%60,%61,%62,%63",                                                                             \
-        "{%64,%65,%66,%67}, %68", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24),         \
+    "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"        \
+    "%56,%57,%58,%59,%60,%61,%62,%63"
+#define WG_N128 /* N = 128's operands, for both B layouts */                                                        \
+    WG_D128, "{%64,%65,%66,%67}, %68", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24),         \
         WG_D4(28), WG_D4(32), WG_D4(36), WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
 // wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1): start address, leading / stride byte
 // offsets (16-byte units). K-major operands (attention_sm90a.cu's Q and K, linear_sm90a.cu's bf16 W copy): stride
@@ -102,19 +103,14 @@ __device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t lead, uint32
 }
 
 // d (64 x 128, fp32, wgmma_n's layout) += A (64 x 16, shared at desc_a) * B (16 x 128, shared at desc_b), both
-// K-major: linear_sm90a.cu's `_ss` tile (A = the bf16 W copy, 128-byte swizzled; B = X, no swizzle).
-#define WG_N128_SS                                                                                                  \
-    "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,"  \
-    "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,"        \
-    "%56,%57,%58,%59,%60,%61,%62,%63"
+// K-major: linear_sm90a.cu's `_ss` tile (A = the bf16 W copy, B = the X copy, both 128-byte swizzled).
 __device__ __forceinline__ void wgmma_ss128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_N128_SS "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_D128 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
                  : WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28), WG_D4(32),
                    WG_D4(36), WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
                  : "l"(desc_a), "l"(desc_b));
 }
-#undef WG_N128_SS
 #define WGMMA_TB1(N, ...) WGMMA_BF16_TB(N, 1, __VA_ARGS__)
 WGMMA_BF16(128, WG_N128)
 WGMMA_TB1(128, WG_N128)
@@ -122,6 +118,7 @@ WGMMA_TB1(128, WG_N128)
 #undef WGMMA_BF16_TB
 #undef WGMMA_TB1
 #undef WG_N128
+#undef WG_D128
 #undef WG_D4
 
 // d (64 x 32, fp32, 16 per thread, wgmma_n's layout) += A (64 x 16, shared at desc_a, K-major) * B (16 x 32, shared at
