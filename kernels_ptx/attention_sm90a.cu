@@ -2,7 +2,9 @@
 // bytes of attention.cu's attn_fused_bf16_d256 (its header states the arithmetic) at a higher rate: 2,048-token
 // sliding prefill 255.4 -> 207.7 us on the H200 (2026-11-30, BENCHMARKS.md fifteenth session); then 207.6 -> 194.9 us
 // with K and V handed over apart, and -> 193.3 us with S issued a chunk ahead (507 tokens: 33.4 -> 32.2 us;
-// graph-replayed, BENCHMARKS.md nineteenth session).
+// graph-replayed, BENCHMARKS.md nineteenth session); then 193.7 -> 148.6 us (507 tokens: 32.2 -> 25.5 us) with a
+// loader that reads a chunk's 4 block numbers once for its K and V and copies whole chunks without predicates
+// (BENCHMARKS.md twenty-third session).
 //
 // Same tile, other work split. A CTA takes 64 query rows (RP = 64 / G positions of one kv head, as the mma.sync tile
 // with MT = 4) and walks the same chunks in the same passes. Warpgroups 0 and 1 compute, warpgroup 2 loads:
@@ -80,24 +82,61 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
         const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * WD + 8 * pc : q;
         cp_async16(Qs + wg_dst(idx), src, ok);
     }
+    // A thread's pieces of a chunk: piece pc = lt % 32 of key rows kk = w + 4 it (w = lt / 32, it = 0 .. 15), i.e. row
+    // w + 4 (it % 4) of the chunk's KV block it / 4; in the stage at wg_dst(lt + 128 it) = dst0[it % 2] + 512 (it - it
+    // % 2) (row kk's swizzle term is kk % 8 = w + 4 (it % 2)). So a chunk needs the 4 block numbers of its 64 keys, read once
+    // and shared by its K and V copies, and each piece is a few adds (the per-piece block-table reads and 64-bit
+    // address arithmetic had made the loader warps execute ~47% of the kernel's instructions: ncu, H200, 2026-12-01).
+    static_assert(WLT == 4 * WPPR && CHUNK % KV_BLOCK == 0 && KV_BLOCK % 4 == 0, "the loader's piece map");
+    const int w = lt >> 5, pc = lt & 31;
+    uint32_t dst0[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) dst0[h] = wg_dst(lt + 128 * h);
+    const size_t row_bytes = 2 * HD, step = 4 * row_bytes, piece = 2 * ((size_t)kvh * WD + 8 * pc);
     uint32_t m = 0;
     unsigned long long done = 0;
     int seq, kmin, kmax;
     while (next_pass(done, p_seq, p_lo, p_hi, RP, seq, kmin, kmax)) {
         const int* __restrict__ bt = block_tables + (size_t)seq * max_blocks;
-        // one chunk's K or V (keys outside [kmin, kmax]: zeros, not read) into the stage at d
+        size_t boff[CHUNK / KV_BLOCK];                          // byte offset of the thread's row w of each block
+        // one chunk's K or V (keys outside [kmin, kmax]: zeros, not read) into the stage at d: block by block, row
+        // w + 4 r of block b from the thread's row w, 4 rows a step; a chunk whole in range (all but a pass's first
+        // and last) copies without a predicate
         auto load = [&](const __nv_bfloat16* __restrict__ pool, uint8_t* d, int c) {
-#pragma unroll 4
-            for (int it = 0; it < CHUNK * WPPR / WLT; it++) {
-                const int idx = lt + it * WLT, kk = idx >> 5, pc = idx & 31, jj = c * CHUNK + kk;
-                const bool ok = jj >= kmin && jj <= kmax;
-                size_t off = 0;
-                if (ok) off = ((size_t)bt[jj / KV_BLOCK] * KV_BLOCK + jj % KV_BLOCK) * HD + (size_t)kvh * WD + 8 * pc;
-                cp_async16(d + wg_dst(idx), pool + off, ok);
+            const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
+            const uint32_t sd = smem_u32(d);
+            // (the test outside the loops: inside, ptxas predicated both forms of every piece)
+            if (c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax) {
+#pragma unroll
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = src + boff[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / 4; r++, p += step) {
+                        const int it = 4 * b + r;
+                        cp_async16s(sd + dst0[it & 1] + 512 * (it & ~1), p, true);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = src + boff[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / 4; r++, p += step) {
+                        const int it = 4 * b + r, jj = c * CHUNK + w + 4 * it;
+                        const bool ok = jj >= kmin && jj <= kmax;
+                        cp_async16s(sd + dst0[it & 1] + 512 * (it & ~1), ok ? p : src, ok);
+                    }
+                }
             }
             cp_async_commit();
         };
         for (int c = kmin / CHUNK; c <= kmax / CHUNK; c++, m++) {
+#pragma unroll
+            for (int b = 0; b < CHUNK / KV_BLOCK; b++) {       // blocks with no key in range: not read
+                const int k0 = c * CHUNK + b * KV_BLOCK;
+                const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;
+                boff[b] = any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * row_bytes + piece : 0;
+            }
             if (m >= WKS) mbar_wait(wg_ek(bars, m % WKS), ((m / WKS) & 1) ^ 1);
             load(k_pool, Ks + (m % WKS) * WTILE, c);
             if (m > 0) {                                        // V(m - 1) landed (K(m) may not have)
