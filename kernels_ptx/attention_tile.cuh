@@ -181,10 +181,10 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
 }
 
 // 16-byte async copy global -> shared; ok = false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(void* s, const void* gsrc, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(s)), "l"(gsrc), "r"(ok ? 16 : 0)
-                 : "memory");
+__device__ __forceinline__ void cp_async16(uint32_t s, const void* gsrc, bool ok) {   // s: a shared-window address
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gsrc), "r"(ok ? 16 : 0) : "memory");
 }
+__device__ __forceinline__ void cp_async16(void* s, const void* gsrc, bool ok) { cp_async16(smem_u32(s), gsrc, ok); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -275,16 +275,55 @@ __device__ __forceinline__ void attn_tile(
         const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0 + pi) * Hq + kvh * G + m % G) * D + 8 * pc : q;
         if (!SPLIT || m < QR) cp_async16(Qs + m * SROW + 16 * pc, src, ok);
     }
-    // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read
+    // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read. Thread
+    // tid copies piece tid % PPR of rows tid / PPR + RS i (RS = NT / PPR rows a step): when RS divides KV_BLOCK, row
+    // w + RS r of each of the chunk's 4 blocks, so the chunk needs 4 block-table reads, not one a piece, and a piece
+    // is a pointer step; a chunk whole in range copies without a predicate (attention_sm90a.cu's loader does the same;
+    // there it took the 2,048-token sliding prefill from 193.7 to 148.6 us).
     auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
                        int kmin, int kmax) {
+        constexpr int RS = NT / PPR;
+        if constexpr (NT % PPR == 0 && KV_BLOCK % RS == 0) {
+            const int w = tid / PPR, pc = tid % PPR;
+            const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
+            const uint32_t sd = smem_u32(dst) + w * SROW + 16 * pc;
+            const size_t step = 2 * RS * HD, piece = 2 * ((size_t)kvh * D + 8 * pc);
+            const uint8_t* bp[CHUNK / KV_BLOCK];                // the thread's row w of each block
+#pragma unroll
+            for (int b = 0; b < CHUNK / KV_BLOCK; b++) {       // blocks with no key in range: not read
+                const int k0 = c * CHUNK + b * KV_BLOCK;
+                const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;
+                bp[b] = src + (any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * 2 * HD + piece : 0);
+            }
+            if (c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax) {   // (outside the loops: ptxas predicates both
+#pragma unroll                                                         //  forms of every piece otherwise)
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = bp[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / RS; r++, p += step)
+                        cp_async16(sd + (b * KV_BLOCK + RS * r) * SROW, p, true);
+                }
+            } else {
+#pragma unroll
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = bp[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / RS; r++, p += step) {
+                        const int j = c * CHUNK + b * KV_BLOCK + w + RS * r;
+                        const bool ok = j >= kmin && j <= kmax;
+                        cp_async16(sd + (b * KV_BLOCK + RS * r) * SROW, ok ? p : src, ok);
+                    }
+                }
+            }
+        } else {
 #pragma unroll 4
-        for (int it = 0; it < CHUNK * PPR / NT; it++) {
-            const int idx = tid + it * NT, kk = idx / PPR, pc = idx % PPR, j = c * CHUNK + kk;
-            const bool ok = j >= kmin && j <= kmax;
-            const __nv_bfloat16* src = pool;
-            if (ok) src = pool + ((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D + 8 * pc;
-            cp_async16(dst + kk * SROW + 16 * pc, src, ok);
+            for (int it = 0; it < CHUNK * PPR / NT; it++) {
+                const int idx = tid + it * NT, kk = idx / PPR, pc = idx % PPR, j = c * CHUNK + kk;
+                const bool ok = j >= kmin && j <= kmax;
+                const __nv_bfloat16* src = pool;
+                if (ok) src = pool + ((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D + 8 * pc;
+                cp_async16(dst + kk * SROW + 16 * pc, src, ok);
+            }
         }
     };
 
