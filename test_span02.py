@@ -5497,10 +5497,13 @@ def test_gpu_attention_v2_timing(g, geo):
 
 @needs_gpu
 def test_gpu_attention_wg_matches_mma(g, monkeypatch):
-    """The wgmma fused tile (attention_sm90a.cu, the prefill path of the sliding layers on sm_90) writes every byte the
-    mma.sync tile (attention.cu attn_fused_bf16_d256) writes, on fresh random q / K / V: a 1,500-row prompt with two
-    image blocks, a 200-row launch whose tiles mix three sequences at unaligned positions, other groupings (G = 4, 1, 4)
-    and windows (20, 7, beyond the prompt), and a max_keys too small (both tiles NaN the same rows)."""
+    """The wgmma fused tiles (attention_sm90a.cu, the prompt path on sm_90 of the sliding layers, D = 256, and of the
+    full ones, D = 512) write every byte the mma.sync tile (attention.cu attn_fused_bf16_d{D}) writes, on fresh random
+    q / K / V: a 1,500-row sliding prompt with two image blocks, a 200-row launch whose tiles mix three sequences at
+    unaligned positions, other groupings (G = 4, 1, 4) and windows (20, 7, beyond the prompt), and a max_keys too small
+    (both tiles NaN the same rows); at D = 512 (the tile's two column halves, one K stage, 8-key row-sum groups) a
+    1,100-row full-attention prompt (G = 8, as the 26B's full layers), mixed sequences, a max_keys too small, and
+    G = 16, 4 and 1."""
     if g.capability != (9, 0):
         pytest.skip("the wgmma tile needs an sm_90 GPU")
     rng = np.random.default_rng(31)
@@ -5531,6 +5534,32 @@ def test_gpu_attention_wg_matches_mma(g, monkeypatch):
         sc = Scene(g, rng, [400, 130], Hkv, 256)
         mma, wg = both(sc, rand_q(rng, 400, 256, Hq), np.zeros(400, np.int32), np.arange(400), {}, W)
         assert (bits(wg) == bits(mma)).all(), f"Hq {Hq} Hkv {Hkv} W {W} differs"
+        sc.close()
+
+    def both512(sc, q, rs, rp, max_keys=None):
+        outs = []
+        for k in (None, A.ATTN_FUSED_WG):
+            monkeypatch.setattr(A, "ATTN_FUSED_WG", k)
+            outs.append(run_attn(g, sc, q, rs, rp, {}, 1024, False, max_keys=max_keys))
+        return outs
+
+    sc = Scene(g, rng, [1100, 700, 1300], 2, 512)
+    q = rand_q(rng, 1100, 512, 16)
+    mma, wg = both512(sc, q, np.zeros(1100, np.int32), np.arange(1100))
+    assert (bits(wg) == bits(mma)).all(), f"d512 prompt: {(bits(wg) != bits(mma)).sum()} elements differ"
+    report("attn wg d512 prompt (sampled rows)", wg[::29],
+           reference(sc, q[::29], np.zeros(len(q[::29]), np.int64), np.arange(1100)[::29], {}, 1024, False))
+    rs = np.array([1] * 70 + [2] * 100 + [0] * 30, np.int32)
+    rp = np.concatenate([np.arange(630, 700), np.arange(1200, 1300), np.arange(1070, 1100)]).astype(np.int32)
+    mma, wg = both512(sc, rand_q(rng, 200, 512, 16), rs, rp)
+    assert (bits(wg) == bits(mma)).all(), "d512 mixed sequences differ"
+    mma, wg = both512(sc, rand_q(rng, 200, 512, 16), rs, rp, max_keys=300)
+    assert np.isnan(f64(wg)).any() and (bits(wg) == bits(mma)).all(), "d512 max_keys too small: other bytes"
+    sc.close()
+    for Hq, Hkv in ((16, 1), (4, 1), (2, 2)):
+        sc = Scene(g, rng, [300, 90], Hkv, 512)
+        mma, wg = both512(sc, rand_q(rng, 300, 512, Hq), np.zeros(300, np.int32), np.arange(300))
+        assert (bits(wg) == bits(mma)).all(), f"d512 Hq {Hq} Hkv {Hkv} differs"
         sc.close()
 
 
@@ -5564,44 +5593,57 @@ def test_qkv_prep_launch_plan():
 
 
 def test_attention_wg_launch_plan():
-    """layers.attention's launcher (no device): prompts (T > ATTN_SPLIT_ROWS) of the sliding layers (D = 256) go to the
-    wgmma tile on sm_90 only, with the mma.sync tile's grid, ATTN_WG_THREADS threads and attention_smem(256, 4, wg=True)
-    bytes, which equal the kernel file's layout (Q, WKS stages of K and WVS of V, P, maxima, sums, lo / hi / seq,
-    2 (WKS + WVS) mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG =
-    None keep attention.cu's kernels."""
+    """layers.attention's launcher (no device): prompts (T > ATTN_SPLIT_ROWS) at D = 256 (sliding layers) and 512 (full
+    layers) go to the wgmma tiles on sm_90 only: grid (ceil(T / (64 // G)), Hkv, D // 256), ATTN_WG_THREADS threads,
+    attention_smem(D, _, wg=True) bytes, which equal the kernel file's layout (WgCfg: Q and WKS stages of K of 64 rows
+    of 2 D bytes, WVS stages of V of 64 rows of 512 bytes, P, maxima, D / 64 key groups' sums, lo / hi / seq, 2 (WKS +
+    WVS) mbarriers) and fit an SM's 227 KiB; other head dims, other GPUs, decode rows and ATTN_FUSED_WG = None keep
+    attention.cu's kernels."""
     here = os.path.dirname(os.path.abspath(__file__))
     src = "".join(open(os.path.join(here, "kernels_ptx", f)).read() for f in ("attention_tile.cuh", "attention_sm90a.cu"))
     d = {}
     for name, expr in re.findall(r"^#define (W[A-Z_]+|CHUNK)\s+((?:(?!//)[^\n])+?)\s*(?://.*)?$", src, re.M):
         d[name] = int(eval(expr.replace("/", "//"), {}, dict(d)))
-    assert (A.ATTN_WG_K_STAGES, A.ATTN_WG_V_STAGES) == (d["WKS"], d["WVS"]), d
-    assert A.ATTN_WG_THREADS == d["WNT"] + d["WLT"], d
-    st = d["WKS"] + d["WVS"]
-    smem = ((1 + st) * d["WTILE"] + d["WROWS"] * d["WPROW"] + (2 + 4) * d["WROWS"] * 4 + 3 * d["WROWS"] * 4
-            + 2 * st * 8)
-    assert A.attention_smem(256, 4, wg=True) == smem <= 227 * 1024, smem
+    wks = re.search(r"static constexpr int WKS = D == 256 \? (\d+) : (\d+);", src)
+    assert A.ATTN_WG_K_STAGES == {256: int(wks[1]), 512: int(wks[2])}, wks
+    assert A.ATTN_WG_V_STAGES == d["WVS"] and A.ATTN_WG_THREADS == d["WNT"] + d["WLT"], d
+    assert (A.ATTN_WG_ROWS, A.ATTN_WG_COLS) == (d["WROWS"], d["WDV"]), d
     assert d["WNT"] * d["WREG_COMPUTE"] + d["WLT"] * d["WREG_LOAD"] <= 65536     # setmaxnreg's budgets fit the SM
+    smem = {}
+    for D in (256, 512):
+        ks = A.ATTN_WG_K_STAGES[D]
+        smem[D] = ((1 + ks) * D // 64 * d["WATOM"] + d["WVS"] * d["WDV"] // 64 * d["WATOM"] + d["WROWS"] * d["WPROW"]
+                   + (2 + D // 64) * d["WROWS"] * 4 + 3 * d["WROWS"] * 4 + 2 * (ks + d["WVS"]) * 8)
+        assert A.attention_smem(D, A.ATTN_FUSED_MT[D], wg=True) == smem[D] <= 227 * 1024, (D, smem[D])
+    assert smem == {256: 175424, 512: 209200}, smem                 # the kernel file's header
 
     def plan(T, D=256, Hq=16, Hkv=8, capability=(9, 0)):
         lg = _LaunchLog(capability)
         arr = lambda shape, dt: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=1024, size=math.prod(shape))
         q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), BF)
         rs, tab, out = arr((T,), np.int32), arr((1, 4), np.int32), arr((T, Hq * D), BF)
-        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32))
+        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, D == 256, out, work=arr((1 << 24,), np.float32))
         return lg.launches, lg.blocks
 
     for T in (65, 100, 2048):
         launches, blocks = plan(T)
-        assert launches == [("attention_sm90a.attn_fused_wg_bf16_d256", (-(-T // 32), 8, 1), smem, None)], launches
+        assert launches == [("attention_sm90a.attn_fused_wg_bf16_d256", (-(-T // 32), 8, 1), smem[256], None)], launches
+        assert blocks == [(A.ATTN_WG_THREADS, 1, 1)]
+        launches, blocks = plan(T, D=512, Hkv=2)                     # G = 8: 8 positions a tile, 2 column halves
+        assert launches == [("attention_sm90a.attn_fused_wg_bf16_d512", (-(-T // 8), 2, 2), smem[512], None)], launches
         assert blocks == [(A.ATTN_WG_THREADS, 1, 1)]
         launches, blocks = plan(T, capability=(8, 9))
         assert launches == [("attention.attn_fused_bf16_d256", (-(-T // 32), 8, 1), A.attention_smem(256, 4), None)]
         assert blocks == [(512, 1, 1)]
-    assert plan(2048, D=512, Hkv=2)[0][0][0] == "attention.attn_fused_bf16_d512"
+        launches, blocks = plan(T, D=512, Hkv=2, capability=(8, 9))
+        assert launches == [("attention.attn_fused_bf16_d512", (-(-T // 4), 2, 1), A.attention_smem(512, 2), None)]
+        assert blocks == [(512, 1, 1)]
+    assert plan(2048, D=128, Hkv=2)[0][0][0] == "attention.attn_fused_bf16_d128"
     assert [f for f, *_ in plan(64)[0]] == ["attention.attn_split_bf16_d256", "attention.attn_combine_bf16"]
     try:
         A.ATTN_FUSED_WG, saved = None, A.ATTN_FUSED_WG
         assert plan(2048)[0][0][0] == "attention.attn_fused_bf16_d256"
+        assert plan(2048, D=512, Hkv=2)[0][0][0] == "attention.attn_fused_bf16_d512"
     finally:
         A.ATTN_FUSED_WG = saved
 

@@ -86,13 +86,17 @@ ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates wh
 ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
 ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
 ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA by D (FMT in attention.cu)
-# The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs, D = 256: the sliding layers), the
-# same bytes as attn_fused_bf16_d256; None: the mma.sync tile everywhere. H200, 2026-11-30, 2,048-token sliding
-# prefill (graph-replayed): 255.4 -> 207.7 us; 193.3 us since K and V are handed over apart (nineteenth session).
-ATTN_FUSED_WG = "attn_fused_wg_bf16_d256"
-ATTN_WG_K_STAGES = 2               # K stages of that tile (WKS in attention_sm90a.cu)
+# The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs), by head_dim: D = 256 (the sliding
+# layers) and 512 (the full ones), the same bytes as attn_fused_bf16_d{D}; None: the mma.sync tile everywhere. H200,
+# 2,048-token sliding prefill (graph-replayed): 255.4 -> 207.7 us (2026-11-30); 193.3 us since K and V are handed
+# over apart (nineteenth session); 148.6 us with the loader's block numbers read once a chunk (twenty-third). The d512
+# tile runs as 2 CTAs a tile (D / ATTN_WG_COLS), each for half the output columns.
+ATTN_FUSED_WG = {256: "attn_fused_wg_bf16_d256", 512: "attn_fused_wg_bf16_d512"}
+ATTN_WG_K_STAGES = {256: 2, 512: 1}   # K stages of that tile by D (WgCfg::WKS in attention_sm90a.cu)
 ATTN_WG_V_STAGES = 2               # V stages (WVS)
 ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
+ATTN_WG_ROWS = 64                  # query rows a CTA (WROWS): 64 / G positions
+ATTN_WG_COLS = 256                 # output columns a CTA (WDV)
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
 ATTN_SPLIT_WAVE = 512              # split grids aim at ~this many CTAs per CTA an SM holds (~4 waves on 132 SMs):
@@ -239,13 +243,15 @@ def attention_work(g, rows, Hq, D, max_keys):
 def attention_smem(D, MT, wg=False, G=None):
     """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
     attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
-    max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu, MT 4): Q, ATTN_WG_K_STAGES stages of K and
-    ATTN_WG_V_STAGES of V (64 rows of 2D bytes, swizzled), P, row maxima of 2 warpgroups and sums of 4 key groups,
-    lo / hi / seq, and the stages' full / empty mbarriers. G (the split tile, MT 1): its query heads a kv head; the
-    tile then keeps G + 1 Q rows (at most 16; attention_tile.cuh QR), not 16."""
+    max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu WgCfg<D>; MT unused): Q and ATTN_WG_K_STAGES[D]
+    stages of K (64 rows of 2D bytes, swizzled), ATTN_WG_V_STAGES of V (64 rows of the CTA's ATTN_WG_COLS columns),
+    P, row maxima of 2 warpgroups and sums of D / 64 key groups, lo / hi / seq, and the stages' full / empty
+    mbarriers. G (the split tile, MT 1): its query heads a kv head; the tile then keeps G + 1 Q rows (at most 16;
+    attention_tile.cuh QR), not 16."""
     if wg:
-        st = ATTN_WG_K_STAGES + ATTN_WG_V_STAGES
-        return (1 + st) * 64 * 2 * D + 64 * (2 * ATTN_CHUNK + 16) + (2 + 4) * 64 * 4 + 3 * 64 * 4 + 2 * st * 8
+        ks, vs, rows = ATTN_WG_K_STAGES[D], ATTN_WG_V_STAGES, ATTN_WG_ROWS
+        return ((1 + ks) * rows * 2 * D + vs * rows * 2 * ATTN_WG_COLS + rows * (2 * ATTN_CHUNK + 16)
+                + (2 + D // 64) * rows * 4 + 3 * rows * 4 + 2 * (ks + vs) * 8)
     qrows = 16 * MT if G is None else min(G + 1, 16)     # split (G given): the G rows and a zero row
     return ((2 * ATTN_CHUNK + qrows) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
@@ -270,8 +276,9 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         most ATTN_WORK_BYTES, so graph capture must pass one sized for every row; rows run in groups that fit.
       T > ATTN_SPLIT_ROWS (prefill): attn_fused_bf16_d{D} grid (ceil(T / (16 mt // G)), Hkv), block mt D / 2
         (mt = ATTN_FUSED_MT[D]): a CTA per (16 mt // G positions, kv head) folds the chunks in registers; no
-        scratch (work unused). On sm_90 at D = 256 its wgmma form ATTN_FUSED_WG (the same grid and bytes, block
-        ATTN_WG_THREADS: two compute warpgroups and a loader)."""
+        scratch (work unused). On sm_90 at D = 256 and 512 its wgmma form ATTN_FUSED_WG[D] (the same bytes): grid
+        (ceil(T / (64 // G)), Hkv, D // ATTN_WG_COLS), block ATTN_WG_THREADS (two compute warpgroups and a
+        loader), a CTA per (64 // G positions, kv head, ATTN_WG_COLS output columns)."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -302,12 +309,17 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
               int(bool(sliding))]
     if T > ATTN_SPLIT_ROWS:
-        mt = ATTN_FUSED_MT[D]
-        rp = 16 * mt // G                                # positions per fused tile (mt m16 tiles of rows)
-        wg = ATTN_FUSED_WG is not None and D == 256 and g.capability == (9, 0)
-        f = g.module("attention_sm90a").function(ATTN_FUSED_WG) if wg else mod.function(f"attn_fused_bf16_d{D}")
-        g.launch(f, grid=((T + rp - 1) // rp, Hkv, 1), block=(ATTN_WG_THREADS if wg else mt * D // 2, 1, 1),
-                 args=common + [0, T, Hq, Hkv, slots, None, None, out], shared=attention_smem(D, mt, wg))
+        wg = ATTN_FUSED_WG is not None and D in ATTN_FUSED_WG and g.capability == (9, 0)
+        if wg:
+            rp, nz, block = ATTN_WG_ROWS // G, D // ATTN_WG_COLS, ATTN_WG_THREADS
+            f = g.module("attention_sm90a").function(ATTN_FUSED_WG[D])
+        else:
+            mt = ATTN_FUSED_MT[D]
+            rp, nz, block = 16 * mt // G, 1, mt * D // 2   # positions per fused tile (mt m16 tiles of rows)
+            f = mod.function(f"attn_fused_bf16_d{D}")
+        g.launch(f, grid=((T + rp - 1) // rp, Hkv, nz), block=(block, 1, 1),
+                 args=common + [0, T, Hq, Hkv, slots, None, None, out],
+                 shared=attention_smem(D, ATTN_FUSED_MT[D], wg))
         return
     own = work is None
     if own:
