@@ -42,7 +42,7 @@ WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages +
 # (the copies cost the same at any T): hence the threshold.
 W16_MIN_T = 1024
 SS_SMEM = 6 * 2 * 128 * 128 + 2 * 6 * 8                           # 6 stages of A + B, their mbarriers
-W16_THREADS = 256
+W16_THREADS = 512                     # most threads a CTA of the copies (a row's 8 pieces a unit)
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -148,10 +148,14 @@ def _ss_copies(g, x, projs):
     sizes = [n * kp * 2 for *_, n in projs]
     if wbuf is None or xbuf is None or wbuf.nbytes < sum(sizes) or xbuf.nbytes < t * kp * 2:
         return None
+    if max(t, *(n for *_, n in projs)) > 65535:
+        return None                                      # (rows are grid y)
     mod, units = g.module('linear_sm90a'), kp // 64
+    block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
+    gx = -(-8 * units // block)
     x16 = g.view(xbuf, 0, (t, kp), BF16)
-    g.launch(mod.function('x16_bf16'), grid=(-(-t * units * 8 // W16_THREADS), 1, 1), block=(W16_THREADS, 1, 1),
-             args=[x, x16, t, k], nbytes=2 * t * (k + kp), pdl=True)
+    g.launch(mod.function('x16_bf16'), grid=(gx, t, 1), block=(block, 1, 1), args=[x, x16, t, k],
+             nbytes=2 * t * (k + kp), pdl=True)
     args, out, off = [k], [], 0
     for (w_ptr, s, s_arg, o, n), size in zip(projs, sizes):
         y = g.view(wbuf, off, (n, kp), BF16)
@@ -159,8 +163,7 @@ def _ss_copies(g, x, projs):
         out.append((y, s, s_arg, o, n))
         off += size
     args += [None, None, 0] * (4 - len(projs))
-    pieces = max(n for *_, n in projs) * units * 8
-    g.launch(mod.function('w16_fp8'), grid=(-(-pieces // W16_THREADS), len(projs), 1), block=(W16_THREADS, 1, 1),
+    g.launch(mod.function('w16_fp8'), grid=(gx, max(n for *_, n in projs), len(projs)), block=(block, 1, 1),
              args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
     return x16, out
 
