@@ -28,131 +28,104 @@
 // expert). Outputs: offsets (E+1) (group e = perm[offsets[e] .. offsets[e+1])), perm (P) pair indices,
 // active (E) the experts with >= 1 pair in increasing order (first n_active valid), n_active (1).
 // Pairs whose expert is outside [0, E) are dropped (the combine skips them too).
-// One block of 1024 threads (32 warps); warp w owns pairs [w*seg, (w+1)*seg), seg = ceil(P/32); within a
-// warp, lanes with the same expert are found with __match_any_sync. Integer-only, deterministic. E <= 256.
 // Then each expert's group is cut into tiles of TS grouped positions for the grouped expert
 // kernels: tiles[i] = (e, q0, nq, 0) in expert order, n_tiles[0] = count (<= n_active + P/TS).
-#define G_MAXE 256
-__device__ __forceinline__ void group_body(
-    const int* __restrict__ idx,       // (P,)
-    int P, int E,
-    int* __restrict__ offsets,         // (E+1,)
-    int* __restrict__ perm,            // (P,)
-    int* __restrict__ active,          // (E,)
-    int* __restrict__ n_active,        // (1,)
-    int TS, int4* __restrict__ tiles, int* __restrict__ n_tiles)
-{
-    __shared__ int hist[32][G_MAXE];     // per-warp counts, then per-warp start within the expert's group
-    __shared__ int off[G_MAXE + 1];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = threadIdx.x; i < 32 * G_MAXE; i += blockDim.x) (&hist[0][0])[i] = 0;
-    __syncthreads();
-    const int seg = (P + 31) / 32;
-    const int p0 = warp * seg, p1 = min(P, p0 + seg);
-    const unsigned lt = (1u << lane) - 1u;
-    // pass 1: per-warp histogram
-    for (int base = p0; base < p1; base += 32) {
-        const int p = base + lane;
-        int e = p < p1 ? idx[p] : -1;
-        if (e < 0 || e >= E) e = -1;
-        const unsigned mask = __match_any_sync(FULL, e);
-        if (e >= 0 && (mask & lt) == 0) hist[warp][e] += __popc(mask);
-        __syncwarp();
+// Two launches of E CTAs, a CTA per expert; thread i of a CTA owns the contiguous chunk of pairs
+// [i per, (i + 1) per), per = ceil(P / blockDim.x):
+//   moe_group_count: CTA e counts its expert's pairs -> ecount[e];
+//   moe_group_place: CTA e reads every count (its offset, its rank among the active experts, its first tile: block
+//     scans over the experts), writes offsets[e] (CTA 0 also offsets[E], n_active, n_tiles), active[rank] = e, its
+//     tiles, and its pairs' perm entries (a block scan of the threads' counts: ascending p).
+// Integer-only, deterministic. E <= 1024. (The one-CTA form before, 32 warps ranking lanes by __match_any_sync, took
+// ~36 us at T = 2048 on the H200: its MATCH instructions queue on one SM; BENCHMARKS.md twenty-third session.)
+
+// Exclusive prefix of v over the block (blockDim.x a multiple of 32, <= 1024); total: the block's sum. Every thread
+// calls it; ws32: 32 ints of shared memory, free again on return.
+__device__ __forceinline__ int block_scan(int v, int* ws32, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL, x, o);
+        if (lane >= o) x += y;
     }
+    if (lane == 31) ws32[warp] = x;
     __syncthreads();
-    // exclusive scan over warps, per expert; totals into off[e]
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int run = 0;
-        for (int w = 0; w < 32; ++w) { const int c = hist[w][e]; hist[w][e] = run; run += c; }
-        off[e] = run;
-    }
-    __syncthreads();
-    // exclusive scan over experts (warp 0: lane owns experts 8*lane .. 8*lane+7), and the active list
     if (warp == 0) {
-        int cnt[8], sum = 0, nact = 0;
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int e = 8 * lane + i;
-            cnt[i] = e < E ? off[e] : 0;
-            sum += cnt[i];
-            nact += cnt[i] > 0;
-        }
-        int incl = sum, inca = nact;
+        int w = lane < nw ? ws32[lane] : 0;
         #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const int a = __shfl_up_sync(FULL, incl, o), b = __shfl_up_sync(FULL, inca, o);
-            if (lane >= o) { incl += a; inca += b; }
+            const int y = __shfl_up_sync(FULL, w, o);
+            if (lane >= o) w += y;
         }
-        int run = incl - sum, ra = inca - nact;
-        __syncwarp();
-        #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int e = 8 * lane + i;
-            if (e < E) {
-                off[e] = run; offsets[e] = run;
-                if (cnt[i] > 0) active[ra++] = e;
-            }
-            run += cnt[i];
-        }
-        if (lane == 31) { offsets[E] = incl; off[E] = incl; n_active[0] = inca; }
+        ws32[lane] = w;                                  // inclusive over warps
     }
     __syncthreads();
-    // pass 2: positions, in pair order
-    for (int base = p0; base < p1; base += 32) {
-        const int p = base + lane;
-        int e = p < p1 ? idx[p] : -1;
-        if (e < 0 || e >= E) e = -1;
-        const unsigned mask = __match_any_sync(FULL, e);
-        int start = 0;
-        if (e >= 0) start = off[e] + hist[warp][e];
-        __syncwarp();
-        if (e >= 0) {
-            perm[start + __popc(mask & lt)] = p;
-            if ((mask & lt) == 0) hist[warp][e] += __popc(mask);
-        }
-        __syncwarp();
-    }
-    {                                                    // the tiles
-        __shared__ int tbase[G_MAXE];
-        // tile counts per expert, exclusive scan (warp 0, lane owns experts 8*lane .. 8*lane+7)
-        if (warp == 0) {
-            int nt[8], sum = 0;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int e = 8 * lane + i;
-                nt[i] = e < E ? (off[e + 1] - off[e] + TS - 1) / TS : 0;
-                sum += nt[i];
-            }
-            int incl = sum;
-            #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int a = __shfl_up_sync(FULL, incl, o);
-                if (lane >= o) incl += a;
-            }
-            int run = incl - sum;
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const int e = 8 * lane + i;
-                if (e < E) tbase[e] = run;
-                run += nt[i];
-            }
-            if (lane == 31) n_tiles[0] = incl;
-        }
-        __syncthreads();
-        for (int e = warp; e < E; e += 32) {
-            const int c = off[e + 1] - off[e], nt = (c + TS - 1) / TS;
-            for (int i = lane; i < nt; i += 32)
-                tiles[tbase[e] + i] = make_int4(e, off[e] + i * TS, min(TS, c - i * TS), 0);
-        }
-    }
+    const int before = warp ? ws32[warp - 1] : 0;
+    total = ws32[nw - 1];
+    __syncthreads();
+    return before + x - v;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) moe_group_tiles(
-    const int* __restrict__ idx, int P, int E, int* __restrict__ offsets, int* __restrict__ perm,
-    int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
+// The calling thread's chunk of pairs [a, b), and how many of them are expert e's.
+__device__ __forceinline__ void chunk_of(int P, int& a, int& b) {
+    const int per = (P + blockDim.x - 1) / blockDim.x;
+    a = min(P, (int)threadIdx.x * per);
+    b = min(P, a + per);
+}
+__device__ __forceinline__ int count_in(const int* __restrict__ idx, int a, int b, int e) {
+    int c = 0;
+    for (int p = a; p < b; ++p) c += idx[p] == e;
+    return c;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_count(const int* __restrict__ idx, int P,
+                                                                 int* __restrict__ ecount) {
+    pdl_entry();
+    __shared__ int ws32[32];
+    int a, b, total;
+    chunk_of(P, a, b);
+    block_scan(count_in(idx, a, b, blockIdx.x), ws32, total);
+    if (threadIdx.x == 0) ecount[blockIdx.x] = total;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
+    const int* __restrict__ idx, int P, int E, const int* __restrict__ ecount, int* __restrict__ offsets,
+    int* __restrict__ perm, int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
     int* __restrict__ n_tiles) {
     pdl_entry();
-    group_body(idx, P, E, offsets, perm, active, n_active, TS, tiles, n_tiles);
+    __shared__ int ws32[32], mine[4];
+    const int e = blockIdx.x;
+    int tot_c = 0, tot_a = 0, tot_t = 0;
+    for (int x0 = 0; x0 < E; x0 += blockDim.x) {         // the experts' prefixes (E <= blockDim.x: one round)
+        const int x = x0 + threadIdx.x, cx = x < E ? ecount[x] : 0;
+        int t1, t2, t3;
+        const int o = block_scan(cx, ws32, t1), r = block_scan(cx > 0, ws32, t2);
+        const int t = block_scan((cx + TS - 1) / TS, ws32, t3);
+        if (x == e) {
+            mine[0] = tot_c + o; mine[1] = tot_a + r; mine[2] = tot_t + t; mine[3] = cx;
+        }
+        tot_c += t1; tot_a += t2; tot_t += t3;
+    }
+    __syncthreads();
+    const int off = mine[0], rank = mine[1], tb = mine[2], c = mine[3];
+    if (threadIdx.x == 0) {
+        offsets[e] = off;
+        if (c > 0) active[rank] = e;
+        if (e == 0) {
+            offsets[E] = tot_c;
+            n_active[0] = tot_a;
+            n_tiles[0] = tot_t;
+        }
+    }
+    for (int j = threadIdx.x; j < (c + TS - 1) / TS; j += blockDim.x)
+        tiles[tb + j] = make_int4(e, off + j * TS, min(TS, c - j * TS), 0);
+    if (c == 0) return;                                  // uniform over the block
+    int a, b, total;
+    chunk_of(P, a, b);
+    int pos = off + block_scan(count_in(idx, a, b, e), ws32, total);
+    for (int p = a; p < b; ++p)
+        if (idx[p] == e) perm[pos++] = p;
 }
 
 // The packed NVFP4 experts into the device word layout (moe_common.cuh), in place, once at upload: w holds n 32-bit

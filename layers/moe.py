@@ -36,7 +36,7 @@ def experts(y, weights, idx, gate_up, down):
 # --- GPU ---
 # Device MoE: linear.cu's router_bf16_* -> (weights (T, k) f32, idx (T, k) i32); kernels_ptx/moe.cu:
 # experts on tensor cores, two launch paths with identical arithmetic (see _experts_direct / _experts_grouped):
-# direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_tiles (stable counting sort
+# direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_* (stable counting sort
 # of the T*k (token, slot) pairs by expert) -> moe_gate_up_mma_n* -> moe_down_mma_n* -> moe_combine_bf16.
 # Arithmetic:
 #   router: r = bf16(bf16(bf16(norm(h)) * scale) * H^-0.5) as transformers' bf16 model; logits fp32 (not
@@ -182,7 +182,7 @@ def moe_workspace(g, T, E, k, H, I):
     P = T * k
     return dict(T=T, k=k, logits=g.empty((T, E), np.float32), r=g.empty((T, H), _bf16()),
                 counters=g.upload(np.zeros((T + 3) // 4, np.int32)),    # the router's arrivals, kept at 0
-                offsets=g.empty((E + 1,), np.int32),
+                offsets=g.empty((E + 1,), np.int32), ecount=g.empty((E,), np.int32),
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
                 u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
                 xp=g.empty((T, _pad128(H)), _bf16()), up=g.empty((P, _pad128(I)), _bf16()),    # the wgmma path's
@@ -335,7 +335,7 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
 #           combined in increasing expert index in shared memory. In both, the K blocks of one output tile are
 #           spread over several warps (_direct_split) and added afterwards by one thread per output, in order.
 #           No grouping: at tiny T tokens rarely share an expert (a shared one is read twice, mostly from L2).
-#   grouped (4 launches): moe_group_tiles (stable counting sort by expert + tiles of 8*NT positions) ->
+#   grouped (5 launches): moe_group_count / _place (stable counting sort by expert + tiles of 8*NT positions) ->
 #           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
 #           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
 DIRECT_MAX_T = 4
@@ -407,10 +407,20 @@ def _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt=None):
             ("combine", lambda: _combine(g, ws["o"], idx, out, T, H, k, E))]
 
 
+def _group_threads(P):
+    """Threads a CTA of the grouping kernels: ~16 pairs a thread, whole warps, at most 1024."""
+    return min(1024, max(32, -(-P // (16 * 32)) * 32))
+
+
 def _group_tiles(g, idx, P, E, ws, ts, tiles):
-    """moe_group_tiles: the pairs sorted by expert (ws perm / offsets / active) and cut into tiles of ts positions."""
-    g.launch(g.module("moe").function("moe_group_tiles"), grid=(1,), block=(1024,),
-             args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles, ws["n_tiles"]])
+    """moe.cu's grouping, 2 launches of a CTA an expert: moe_group_count (ws ecount) then moe_group_place: the pairs
+    sorted by expert (ws perm / offsets / active) and cut into tiles of ts positions. (One CTA with a warp-level
+    match before: ~36 us at T = 2048 on the H200.)"""
+    m, block = g.module("moe"), (_group_threads(P),)
+    g.launch(m.function("moe_group_count"), grid=(E,), block=block, args=[idx, P, ws["ecount"]])
+    g.launch(m.function("moe_group_place"), grid=(E,), block=block,
+             args=[idx, P, E, ws["ecount"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles,
+                   ws["n_tiles"]])
 
 
 _COMB_THREADS = 128  # COMB_THREADS in moe.cu: 8 columns a thread
@@ -422,7 +432,7 @@ def _combine(g, o, idx, out, T, H, k, E):
              block=(_COMB_THREADS,), args=[o, idx, out, T, H, k, E])
 
 
-# wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_tiles (tiles of
+# wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 6 launches): moe_group_* (tiles of
 #   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
 #   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
 #   warpgroup MMAs (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to
