@@ -39,32 +39,42 @@
 // Integer-only, deterministic. E <= 1024. (The one-CTA form before, 32 warps ranking lanes by __match_any_sync, took
 // ~36 us at T = 2048 on the H200: its MATCH instructions queue on one SM; BENCHMARKS.md twenty-third session.)
 
-// Exclusive prefix of v over the block (blockDim.x a multiple of 32, <= 1024); total: the block's sum. Every thread
-// calls it; ws32: 32 ints of shared memory, free again on return.
-__device__ __forceinline__ int block_scan(int v, int* ws32, int& total) {
+// Exclusive prefixes of v[0 .. N-1] over the block (blockDim.x a multiple of 32, <= 1024); total: the block's sums.
+// Every thread calls it; ws: 32 N ints of shared memory, free again on return.
+template <int N> __device__ __forceinline__ void block_scan(int (&v)[N], int* ws, int (&total)[N]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int x = v;
+    int x[N];
     #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) ws32[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nw ? ws32[lane] : 0;
+    for (int j = 0; j < N; ++j) x[j] = v[j];
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1)
         #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(FULL, w, o);
-            if (lane >= o) w += y;
+        for (int j = 0; j < N; ++j) {
+            const int y = __shfl_up_sync(FULL, x[j], o);
+            if (lane >= o) x[j] += y;
         }
-        ws32[lane] = w;                                  // inclusive over warps
+    if (lane == 31)
+        #pragma unroll
+        for (int j = 0; j < N; ++j) ws[32 * j + warp] = x[j];
+    __syncthreads();
+    if (warp == 0)
+        #pragma unroll
+        for (int j = 0; j < N; ++j) {
+            int w = lane < nw ? ws[32 * j + lane] : 0;
+            #pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int y = __shfl_up_sync(FULL, w, o);
+                if (lane >= o) w += y;
+            }
+            ws[32 * j + lane] = w;                       // inclusive over warps
+        }
+    __syncthreads();
+    #pragma unroll
+    for (int j = 0; j < N; ++j) {
+        total[j] = ws[32 * j + nw - 1];
+        v[j] = (warp ? ws[32 * j + warp - 1] : 0) + x[j] - v[j];
     }
     __syncthreads();
-    const int before = warp ? ws32[warp - 1] : 0;
-    total = ws32[nw - 1];
-    __syncthreads();
-    return before + x - v;
 }
 
 // The calling thread's chunk of pairs [a, b), and how many of them are expert e's.
@@ -75,6 +85,7 @@ __device__ __forceinline__ void chunk_of(int P, int& a, int& b) {
 }
 __device__ __forceinline__ int count_in(const int* __restrict__ idx, int a, int b, int e) {
     int c = 0;
+    #pragma unroll 8
     for (int p = a; p < b; ++p) c += idx[p] == e;
     return c;
 }
@@ -82,11 +93,12 @@ __device__ __forceinline__ int count_in(const int* __restrict__ idx, int a, int 
 extern "C" __global__ void __launch_bounds__(1024) moe_group_count(const int* __restrict__ idx, int P,
                                                                  int* __restrict__ ecount) {
     pdl_entry();
-    __shared__ int ws32[32];
-    int a, b, total;
+    __shared__ int ws[32];
+    int a, b, v[1], total[1];
     chunk_of(P, a, b);
-    block_scan(count_in(idx, a, b, blockIdx.x), ws32, total);
-    if (threadIdx.x == 0) ecount[blockIdx.x] = total;
+    v[0] = count_in(idx, a, b, blockIdx.x);
+    block_scan<1>(v, ws, total);
+    if (threadIdx.x == 0) ecount[blockIdx.x] = total[0];
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
@@ -94,18 +106,27 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
     int* __restrict__ perm, int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
     int* __restrict__ n_tiles) {
     pdl_entry();
-    __shared__ int ws32[32], mine[4];
+    __shared__ int ws[3 * 32], mine[4];
     const int e = blockIdx.x;
-    int tot_c = 0, tot_a = 0, tot_t = 0;
-    for (int x0 = 0; x0 < E; x0 += blockDim.x) {         // the experts' prefixes (E <= blockDim.x: one round)
-        const int x = x0 + threadIdx.x, cx = x < E ? ecount[x] : 0;
-        int t1, t2, t3;
-        const int o = block_scan(cx, ws32, t1), r = block_scan(cx > 0, ws32, t2);
-        const int t = block_scan((cx + TS - 1) / TS, ws32, t3);
-        if (x == e) {
-            mine[0] = tot_c + o; mine[1] = tot_a + r; mine[2] = tot_t + t; mine[3] = cx;
+    // the experts' prefixes: thread i sums its run of experts [i q, (i + 1) q) (q = ceil(E / threads)) -- pairs,
+    // active, tiles --, one block scan, then the thread that holds e walks its run up to e
+    const int q = (E + blockDim.x - 1) / blockDim.x, x0 = min(E, (int)threadIdx.x * q), x1 = min(E, x0 + q);
+    int v[3] = {0, 0, 0}, total[3];
+    for (int x = x0; x < x1; ++x) {
+        const int cx = ecount[x];
+        v[0] += cx;
+        v[1] += cx > 0;
+        v[2] += (cx + TS - 1) / TS;
+    }
+    block_scan<3>(v, ws, total);
+    if (e >= x0 && e < x1) {
+        for (int x = x0; x < e; ++x) {
+            const int cx = ecount[x];
+            v[0] += cx;
+            v[1] += cx > 0;
+            v[2] += (cx + TS - 1) / TS;
         }
-        tot_c += t1; tot_a += t2; tot_t += t3;
+        mine[0] = v[0]; mine[1] = v[1]; mine[2] = v[2]; mine[3] = ecount[e];
     }
     __syncthreads();
     const int off = mine[0], rank = mine[1], tb = mine[2], c = mine[3];
@@ -113,17 +134,19 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
         offsets[e] = off;
         if (c > 0) active[rank] = e;
         if (e == 0) {
-            offsets[E] = tot_c;
-            n_active[0] = tot_a;
-            n_tiles[0] = tot_t;
+            offsets[E] = total[0];
+            n_active[0] = total[1];
+            n_tiles[0] = total[2];
         }
     }
     for (int j = threadIdx.x; j < (c + TS - 1) / TS; j += blockDim.x)
         tiles[tb + j] = make_int4(e, off + j * TS, min(TS, c - j * TS), 0);
     if (c == 0) return;                                  // uniform over the block
-    int a, b, total;
+    int a, b, w[1], tw[1];
     chunk_of(P, a, b);
-    int pos = off + block_scan(count_in(idx, a, b, e), ws32, total);
+    w[0] = count_in(idx, a, b, e);
+    block_scan<1>(w, ws, tw);
+    int pos = off + w[0];
     for (int p = a; p < b; ++p)
         if (idx[p] == e) perm[pos++] = p;
 }
