@@ -96,20 +96,20 @@ template <int PPR> __device__ __forceinline__ uint32_t wg_dst(int i) {
 // dst0: wg_dst_table). col: the byte offset of the row's first copied column; rb: bytes a pool row. Keys outside
 // [kmin, kmax] are zeros, not read; a chunk whole in range copies without a predicate (the test outside the loops:
 // inside, ptxas predicated both forms of every piece).
-template <int PPR> struct WgRows {
+template <int PPR> struct WgPieces {
     static constexpr int RS = WLT / PPR, SPB = KV_BLOCK / RS, NS = 8 / RS;   // rows a step, steps a block, swizzles
     static_assert(WLT % PPR == 0 && KV_BLOCK % RS == 0 && 8 % RS == 0, "the loader's piece map");
 };
-template <int PPR> __device__ __forceinline__ void wg_dst_table(uint32_t (&dst0)[WgRows<PPR>::NS]) {
+template <int PPR> __device__ __forceinline__ void wg_dst_table(uint32_t (&dst0)[WgPieces<PPR>::NS]) {
     const int lt = threadIdx.x - WNT;
 #pragma unroll
-    for (int h = 0; h < WgRows<PPR>::NS; h++) dst0[h] = wg_dst<PPR>(lt + WLT * h);
+    for (int h = 0; h < WgPieces<PPR>::NS; h++) dst0[h] = wg_dst<PPR>(lt + WLT * h);
 }
 template <int PPR>
-__device__ __forceinline__ void wg_chunk(uint32_t sd, const uint32_t (&dst0)[WgRows<PPR>::NS],
+__device__ __forceinline__ void wg_chunk(uint32_t sd, const uint32_t (&dst0)[WgPieces<PPR>::NS],
                                          const __nv_bfloat16* __restrict__ pool, size_t col, size_t rb,
                                          const int (&blk)[CHUNK / KV_BLOCK], int c, int kmin, int kmax) {
-    constexpr int RS = WgRows<PPR>::RS, SPB = WgRows<PPR>::SPB, NS = WgRows<PPR>::NS;
+    constexpr int RS = WgPieces<PPR>::RS, SPB = WgPieces<PPR>::SPB, NS = WgPieces<PPR>::NS;
     const int lt = threadIdx.x - WNT, w = lt / PPR, pc = lt % PPR;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
     const size_t piece = col + 16 * pc;
@@ -160,7 +160,7 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
     }
     const size_t rb = 2 * HD, kcol = 2 * (size_t)kvh * D, vcol = kcol + 2 * (size_t)blockIdx.z * WDV;
     const uint32_t ks = smem_u32(Ks), vs = smem_u32(Vs);
-    uint32_t kdst[WgRows<D / 8>::NS], vdst[WgRows<WDV / 8>::NS];
+    uint32_t kdst[WgPieces<D / 8>::NS], vdst[WgPieces<WDV / 8>::NS];
     wg_dst_table<D / 8>(kdst);
     wg_dst_table<WDV / 8>(vdst);
     uint32_t m = 0;
