@@ -33,10 +33,11 @@
 // Two launches of E CTAs, a CTA per expert; thread i of a CTA owns the contiguous chunk of pairs
 // [i per, (i + 1) per), per = ceil(P / blockDim.x):
 //   moe_group_count: CTA e counts its expert's pairs -> ecount[e];
-//   moe_group_place: CTA e reads every count (its offset, its rank among the active experts, its first tile: block
-//     scans over the experts), writes offsets[e] (CTA 0 also offsets[E], n_active, n_tiles), active[rank] = e, its
-//     tiles, and its pairs' perm entries (a block scan of the threads' counts: ascending p).
-// Integer-only, deterministic. E <= 1024. (The one-CTA form before, 32 warps ranking lanes by __match_any_sync, took
+//   moe_group_place: CTA e reads every count (its offset, its rank among the active experts, its first tile: one
+//     block scan of the three sums over the threads' runs of experts), writes offsets[e] (CTA 0 also offsets[E],
+//     n_active, n_tiles), active[rank] = e, its tiles, and its pairs' perm entries (a block scan of the threads'
+//     counts: ascending p).
+// Integer-only, deterministic. (The one-CTA form before, 32 warps ranking lanes by __match_any_sync, took
 // ~36 us at T = 2048 on the H200: its MATCH instructions queue on one SM; BENCHMARKS.md twenty-third session.)
 
 // Exclusive prefixes of v[0 .. N-1] over the block (blockDim.x a multiple of 32, <= 1024); total: the block's sums.
