@@ -858,7 +858,7 @@ DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, t
 // the top-k of the group's tokens. So a token's logits, weights and experts do not depend on T or on the kernel.
 // Arguments: r (T, K = H) bf16, T, K, proj (E, K) bf16, per_expert_scale (E) f32, logits (T, E) f32, counters
 // (>= token groups) int, weights (T, k) f32, idx (T, k) int32, E (<= 256), k (<= 16). block 256; grid (ceil(E/16)
-// | `_p` ceil(E/64), token groups); dynamic smem as the gemm_bf16_f32 kernel of the same suffix.
+// | `_s` ceil(E/64), token groups); dynamic smem as the gemm_bf16_f32 kernel of the same suffix (`_s`: RS_SMEM).
 #include "topk.cuh"
 #define ROUTER_PARAMS                                                                                          \
     const __nv_bfloat16 *__restrict__ X, int T, int K, const __nv_bfloat16 *__restrict__ W,                 \
@@ -872,8 +872,90 @@ DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, t
     }
 ROUTER_DEC(router_bf16_t8, 1, 3, 2)
 ROUTER_DEC(router_bf16_t16, 2, 2, 2)
-extern "C" __global__ void __launch_bounds__(256, 2) router_bf16_p(ROUTER_PARAMS) {
+// `_s` (long prompts): the prefill tile's shape (`_p`: 64 experts x 32 tokens a CTA, grid (ceil(E / 64), token
+// groups)) with the K slices on the warps: warp w walks slice w's units w, w + 8, .. (mma_unit into one fp32
+// accumulator set for the whole tile, from 0.0f, ascending), then the 8 slice partials meet in shared memory and each
+// output is summed 0..7 from slice 0's (prefill_body's fold): the same bits. It replaced router_bf16_p
+// (prefill_body), which gave each warp a 16 x 16 corner and all 44 units of K (H = 2816) in one chain and was
+// latency-bound (ncu, T = 2048: no eligible warp 67% of cycles, ~6 cycles an instruction; 30.1 us against 27.5 here,
+// both before the top-k's NE; BENCHMARKS.md, twenty-fourth session); here a warp has ~6 units of 64 independent
+// MMAs. Each warp stages its own units (cp.async, 2 slots of one unit's W and X rows at P_XSTRIDE), so the K loop
+// has no CTA barrier. Dynamic smem RS_SMEM; 1 CTA an SM.
+#define RS_SLOT ((P_ROWS + P_TOK) * P_XSTRIDE)                 // one unit: 64 W rows, then 32 X rows (13,824 B)
+#define RS_SMEM (SLICES * 2 * RS_SLOT)                          // 221,184 B (the fold's 64 KB reuse it)
+__device__ __forceinline__ void rs_load(uint8_t *slot, const __nv_bfloat16 *__restrict__ W,
+                                        const __nv_bfloat16 *__restrict__ X, int u, int row0, int t0, int N, int K,
+                                        int T) {
+#pragma unroll
+    for (int i = threadIdx.x & 31; i < (P_ROWS + P_TOK) * 8; i += 32) {   // 24 16-byte pieces a lane
+        const int r = i >> 3, c = i & 7, k = (u << 6) + 8 * c;
+        const bool w = r < P_ROWS, ok = k < K && (w ? row0 + r < N : t0 + r - P_ROWS < T);
+        const __nv_bfloat16 *src = w ? W + (size_t)(row0 + r) * K + k : X + (size_t)(t0 + r - P_ROWS) * K + k;
+        cp_async16(slot + r * P_XSTRIDE + 16 * c, ok ? (const void *)src : (const void *)W, ok);
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 1) router_bf16_s(ROUTER_PARAMS) {
+    extern __shared__ __align__(16) uint8_t rs_smem[];
+    pdl_trigger();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int row0 = blockIdx.x * P_ROWS, t0 = blockIdx.y * P_TOK, units = (K + 63) >> 6;
+    const int cnt = warp < units ? (units - warp + SLICES - 1) / SLICES : 0;   // units of slice `warp`
+    uint8_t *slots = rs_smem + warp * 2 * RS_SLOT;
+    float acc[4][4][4];                                       // [16-row m-tile][8-token n-tile][D fragment]
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        if (j < cnt) rs_load(slots + j * RS_SLOT, W, X, warp + SLICES * j, row0, t0, E, K, T);
+        cp_async_commit();
+    }
+    for (int j = 0; j < cnt; ++j) {
+        cp_async_wait<1>();                                   // unit j's pieces (this lane's) have landed
+        __syncwarp();                                         // ... and every lane's
+        const uint8_t *sw = slots + (j & 1) * RS_SLOT, *sx = sw + P_ROWS * P_XSTRIDE;
+        uint32_t xw[4][8];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const uint8_t *xr = sx + (8 * n + g) * P_XSTRIDE + 32 * q;   // token g of tile n
+            const uint4 x0 = *reinterpret_cast<const uint4 *>(xr), x1 = *reinterpret_cast<const uint4 *>(xr + 16);
+            xw[n][0] = x0.x; xw[n][1] = x0.y; xw[n][2] = x0.z; xw[n][3] = x0.w;
+            xw[n][4] = x1.x; xw[n][5] = x1.y; xw[n][6] = x1.z; xw[n][7] = x1.w;
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            uint32_t a[4][4];
+            stage_a<FMT_BF16, P_XSTRIDE>(sw, 16 * m + g, q, a);
+#pragma unroll
+            for (int n = 0; n < 4; ++n) mma_unit<FMT_BF16>(acc[m][n], a, xw[n], 0.f);
+        }
+        __syncwarp();                                         // the slot is read out before it is refilled
+        if (j + 2 < cnt) rs_load(slots + (j & 1) * RS_SLOT, W, X, warp + SLICES * (j + 2), row0, t0, E, K, T);
+        cp_async_commit();
+    }
+    cp_async_wait<0>();
+    __syncthreads();                                          // every slot read out: the fold reuses them
+    float *red = reinterpret_cast<float *>(rs_smem);          // [slice][m-tile, n-tile, fragment][lane]
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[(warp * 64 + 16 * m + 4 * n + i) * 32 + lane] = acc[m][n][i];
+    __syncthreads();
     const Proj p = {W, nullptr, 0, logits, E};
-    prefill_body<FMT_BF16, true, false>(X, T, K, p, p, p, p);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {                          // fragment entries 8 warp .. + 7 of lane `lane`
+        const int f = 8 * warp + jj, m = f >> 4, n = (f >> 2) & 3, i = f & 3;
+        float v = red[f * 32 + lane];
+#pragma unroll
+        for (int sl = 1; sl < SLICES; ++sl) v = __fadd_rn(v, red[(sl * 64 + f) * 32 + lane]);
+        const int row = row0 + 16 * m + g + ((i & 2) ? 8 : 0), tok = t0 + 8 * n + 2 * q + (i & 1);
+        if (row < E && tok < T) store_out<FMT_BF16, true, false>(p, p, v, v, row, tok);
+    }
     arrive_then_topk(counters, logits, pes, weights, idx, blockIdx.y * P_TOK, P_TOK, T, E, k);
 }

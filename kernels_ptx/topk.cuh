@@ -30,12 +30,16 @@ __device__ __forceinline__ int order_key(float v) {
     return b ^ ((b >> 31) & 0x7fffffff);
 }
 __device__ __forceinline__ float key_float(int k) { return __int_as_float(k ^ ((k >> 31) & 0x7fffffff)); }
+// NE experts a lane (E <= 32 NE): the selection loops run over the lane's NE values only (every slot past E holds
+// -inf / an absent p in either form, so NE = 4 for E <= 128 picks exactly what NE = TOPK_MAXE does, in half the
+// instructions; a token's top-k is a serial chain of ~500 instructions in one warp).
+template <int NE>
 __device__ void topk_token(const float* lg, const float* __restrict__ pes, float* weights, int* idx, int E, int k) {
     const int lane = threadIdx.x & 31;
-    float v[TOPK_MAXE], pw[TOPK_MAXE];
+    float v[NE], pw[NE];
     float m = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < TOPK_MAXE; ++i) {
+    for (int i = 0; i < NE; ++i) {
         const int e = lane + 32 * i;
         v[i] = e < E ? __ldcg(lg + e) : -INFINITY;          // L2: other CTAs wrote them
         pw[i] = e < E ? __ldg(pes + e) : 0.f;
@@ -44,13 +48,13 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
     m = key_float(__reduce_max_sync(0xffffffffu, order_key(m)));  // the largest logit (a NaN one is never taken)
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < TOPK_MAXE; ++i) {
+    for (int i = 0; i < NE; ++i) {
         v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
         s += v[i];
     }
     s = topk_warp_sum(s);
 #pragma unroll
-    for (int i = 0; i < TOPK_MAXE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent / taken
+    for (int i = 0; i < NE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent / taken
     float topv[TOPK_MAXK], myv = 0.f, myp = 0.f;                 // lane j keeps round j's p, pes and expert
     int myi = 0;
 #pragma unroll
@@ -59,20 +63,20 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
         if (j < k) {
             float bv = -2.f; int bi = 0x7fffffff;             // lane's best: largest p, lowest index on ties
 #pragma unroll
-            for (int i = 0; i < TOPK_MAXE; ++i)
+            for (int i = 0; i < NE; ++i)
                 if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
             const int kmax = __reduce_max_sync(0xffffffffu, order_key(bv));
             const int wi = __reduce_min_sync(0xffffffffu, order_key(bv) == kmax ? bi : 0x7fffffff);
             const int slot = (unsigned)wi >> 5;               // warp-uniform
             float pl = 0.f;
 #pragma unroll
-            for (int i = 0; i < TOPK_MAXE; ++i)
+            for (int i = 0; i < NE; ++i)
                 if (i == slot) pl = pw[i];
             topv[j] = key_float(kmax);                        // warp-uniform
             pl = __shfl_sync(0xffffffffu, pl, wi & 31);
             if (lane == j) { myv = topv[j]; myp = pl; myi = wi; }
 #pragma unroll
-            for (int i = 0; i < TOPK_MAXE; ++i)
+            for (int i = 0; i < NE; ++i)
                 if (lane + 32 * i == wi) v[i] = -1.f;
         }
     }
@@ -101,6 +105,8 @@ __device__ __forceinline__ void arrive_then_topk(int* counters, const float* log
     if (threadIdx.x == 0) counters[blockIdx.y] = 0;
     for (int tt = threadIdx.x >> 5; tt < nt; tt += blockDim.x >> 5) {
         const int t = t0 + tt;
-        if (t < T) topk_token(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+        if (t >= T) continue;
+        if (E <= 128) topk_token<4>(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
+        else topk_token<TOPK_MAXE>(logits + (size_t)t * E, pes, weights + (size_t)t * k, idx + (size_t)t * k, E, k);
     }
 }

@@ -220,20 +220,20 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
 ROUTER_KERNELS = {
     "t8": (8, 16, lambda T, H: min(T, 8) * (H + 8) * 2),     # X staged in shared memory (cp.async)
     "t16": (16, 16, lambda T, H: 0),                          # X in the register ring (ld.global.cg)
-    "p": (32, 64, lambda T, H: 55296),                       # the prefill tile (4 stages, PrefillSmem<bf16>)
+    "s": (32, 64, lambda T, H: 221184),                      # the prefill tile, K slices on the warps (RS_SMEM)
 }
 
 
 def router_kernel(T):
-    """The router kernel for T tokens (speed only). H200, E 128, H 2816, graph-replayed, us per launch at T = 1 / 8 /
-    16 / 64 / 128 / 256 / 508 / 1536 / 2048 (BENCHMARKS.md, 2026-12-01): t8 6.82 / 7.58 / 7.72 / 8.41 / 9.09 /
-    11.55 / 19.34 / 44.26 / 56.09; t16 6.20 / 6.64 / 9.55 / 10.22 / 10.25 / 10.52 / 13.80 / 27.61 / 33.05; p 20.07 /
-    20.39 / 23.21 / 29.21 / 29.05 / 29.27 / 29.38 / 29.78 / 30.14 (its 64 x 32 tiles are few and latency-bound
-    below ~1.5k tokens). The fmaf-chain router.cu it replaced (eleventh and seventeenth sessions' tables): 8.2 / - /
-    10.6 / 14.0 / 17.2 / - / 23.2 (507 tokens) / - / 77.8. Removed after that sweep, never the fastest: the 32- and
-    64-token decode tiles and three dec2_body shared-ring forms. t16 read X through ld.global.nc in that sweep;
-    through ld.global.cg (linear.cu dec_body XCG) it took 6.34 / 14.69 / 37.37 us at T = 1 / 508 / 2048 (call 6)."""
-    return "t16" if T <= 8 else "t8" if T <= 128 else "t16" if T <= 1536 else "p"
+    """The router kernel for T tokens (speed only). H200, E 128, H 2816, graph-replayed, us per launch at T = 1 / 16 /
+    64 / 128 / 256 / 508 / 1024 / 1536 / 2048 (test_gpu_router_timing, BENCHMARKS.md twenty-fourth session, call 8):
+    t8 6.21 / 7.04 / 7.72 / 8.21 / 10.63 / 18.07 / 30.37 / 42.28 / 53.24; t16 5.73 / 8.36 / 9.11 / 9.12 / 9.75 /
+    12.36 / 20.90 / 28.75 / 35.45; s 13.87 / 16.48 / 20.80 / 20.77 / 21.32 / 21.28 / 21.35 / 23.14 / 24.43 (one CTA's
+    K loop and top-k take ~14 us: a floor at small T). `_s` replaced the prefill tile router_bf16_p (27.50 us at
+    2,048 in call 7). Before that: the fmaf-chain router.cu (eleventh and seventeenth sessions' tables: 8.2 / 10.6 /
+    14.0 / 17.2 / - / 23.2 (507 tokens) / - / - / 77.8); never the fastest and removed: the 32- and 64-token decode
+    tiles, three dec2_body shared-ring forms, t16 through ld.global.nc."""
+    return "t16" if T <= 8 else "t8" if T <= 128 else "t16" if T <= 1024 else "s"
 
 
 def router_launch(g, name, r, router, logits, counters, weights, idx, top_k):
