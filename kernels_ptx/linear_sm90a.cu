@@ -472,42 +472,59 @@ W_ENTRY(gelu_fp8_bf16_ws, true, false)
 // 16-byte piece 2j + h of a row's unit = slots 8h .. 8h + 7 of k16 step j = columns 64u + 32h + 4j + 0..3 and
 // 64u + 32h + 16 + 4j + 0..3; columns past K are +0 (as `_ws`'s zero fill). So a k16 step is 32 contiguous bytes of
 // each row on both sides, and every product meets the X column that `_ws` meets it with, in the same step: the same
-// bits. Rows of Kp = 64 ceil(K / 64) columns. Both: a row a CTA row (blockIdx.y), 8 threads a unit, thread t writing
-// piece t (a warp 512 contiguous bytes) from the unit's two words of it (a warp reads the units' 256 / 512 contiguous
-// bytes); grid (ceil(8 units / block), rows, ..), block <= 512. (The first form numbered the pieces of all rows in one
-// index and divided it by the units, a 64-bit division a thread: H200, 2,048-token prefill, w16_fp8 1.88 ms at 2.56
-// TB/s and x16_bf16 1.07 ms at 2.78 TB/s over 117 launches each; BENCHMARKS.md twenty-third session for after.)
+// bits. Rows of Kp = 64 ceil(K / 64) columns. Both: rows by CTA rows (blockIdx.y), 8 threads a unit, thread t writing
+// piece t (a warp 512 contiguous bytes) from the unit's two words of it (a warp reads the units' 256 / 512
+// contiguous bytes); grid (ceil(8 units / block), rows (x16) or ceil(rows / COPY_ROWS) (w16), ..), block <= 512.
+// (The first form numbered the pieces of all rows in one index and divided it by the units, a 64-bit division a
+// thread: H200, 2,048-token prefill, w16_fp8 1.88 ms at 2.56 TB/s and x16_bf16 1.07 ms at 2.78 TB/s over 117
+// launches each.)
 __device__ __forceinline__ int slot_col(int pc) {                           // piece pc of a row: its first column
     const int t = pc & 7;                                                   // (its second: + 16)
     return 64 * (pc >> 3) + 32 * (t & 1) + 4 * (t >> 1);
 }
 
-// w16_fp8: Y_p (N_p, Kp) bf16 for projections p = blockIdx.z (W_p e4m3 (N_p, K)), grid y = the largest N_p. PDL:
-// the weights are read before griddepcontrol.wait, Y written after it (the previous `_ss` launch may still read Y).
+// w16_fp8 takes COPY_ROWS rows a CTA (grid y = ceil(rows / COPY_ROWS)), a thread the same piece of each, all its
+// loads issued before its first store: one row a CTA left a thread 8 bytes in flight (the q+k+v copy, 8,192 x 2,816:
+// 22.47 -> 17.99 us, 3.08 -> 3.85 TB/s, graph-replayed; the smaller copies unchanged; twenty-fourth session).
+#define COPY_ROWS 4
+
+// w16_fp8: Y_p (N_p, Kp) bf16 for projections p = blockIdx.z (W_p e4m3 (N_p, K)), grid y = ceil(the largest N_p /
+// COPY_ROWS). PDL: the weights are read before griddepcontrol.wait, Y written after it (the previous `_ss` launch may
+// still read Y).
 extern "C" __global__ void __launch_bounds__(512) w16_fp8(int K, const uint8_t *__restrict__ W0, uint4 *Y0, int N0,
                                                           const uint8_t *__restrict__ W1, uint4 *Y1, int N1,
                                                           const uint8_t *__restrict__ W2, uint4 *Y2, int N2,
                                                           const uint8_t *__restrict__ W3, uint4 *Y3, int N3) {
-    const int p = blockIdx.z, units = (K + 63) >> 6, row = blockIdx.y;
+    const int p = blockIdx.z, units = (K + 63) >> 6, row0 = blockIdx.y * COPY_ROWS;
     const uint8_t *W = p == 0 ? W0 : p == 1 ? W1 : p == 2 ? W2 : W3;
     uint4 *Y = p == 0 ? Y0 : p == 1 ? Y1 : p == 2 ? Y2 : Y3;
     const int N = p == 0 ? N0 : p == 1 ? N1 : p == 2 ? N2 : N3;
     const int pc = blockIdx.x * blockDim.x + threadIdx.x, c0 = slot_col(pc);
-    const bool own = pc < 8 * units && row < N;
-    const uint8_t *wr = W + (size_t)row * K;
-    uint32_t w0 = 0, w1 = 0;
-    if (own && c0 < K) w0 = __ldg(reinterpret_cast<const uint32_t *>(wr + c0));
-    if (own && c0 + 16 < K) w1 = __ldg(reinterpret_cast<const uint32_t *>(wr + c0 + 16));
+    const bool own = pc < 8 * units;
+    uint32_t w0[COPY_ROWS], w1[COPY_ROWS];
+#pragma unroll
+    for (int r = 0; r < COPY_ROWS; ++r) {
+        const bool ok = own && row0 + r < N;
+        const uint8_t *wr = W + (size_t)(row0 + r) * K;
+        w0[r] = ok && c0 < K ? __ldg(reinterpret_cast<const uint32_t *>(wr + c0)) : 0u;
+        w1[r] = ok && c0 + 16 < K ? __ldg(reinterpret_cast<const uint32_t *>(wr + c0 + 16)) : 0u;
+    }
     pdl_wait();
     pdl_trigger();
     if (!own) return;
-    uint4 v;
-    e4m3x4_to_bf16x4(w0, v.x, v.y);
-    e4m3x4_to_bf16x4(w1, v.z, v.w);
-    Y[(size_t)row * 8 * units + pc] = v;
+#pragma unroll
+    for (int r = 0; r < COPY_ROWS; ++r) {
+        if (row0 + r >= N) break;
+        uint4 v;
+        e4m3x4_to_bf16x4(w0[r], v.x, v.y);
+        e4m3x4_to_bf16x4(w1[r], v.z, v.w);
+        Y[(size_t)(row0 + r) * 8 * units + pc] = v;
+    }
 }
 
-// x16_bf16: Y (T, Kp) bf16 = X (T, K) bf16 in the slot order, grid y = T. pdl_entry: X is the previous kernel's output.
+// x16_bf16: Y (T, Kp) bf16 = X (T, K) bf16 in the slot order, grid y = T (one row a CTA: X is mostly in L2, written
+// just before, and COPY_ROWS rows took 4.60 us against 3.77 at T = 2048, K = 2816; twenty-fourth session). pdl_entry:
+// X is the previous kernel's output.
 extern "C" __global__ void __launch_bounds__(512) x16_bf16(const __nv_bfloat16 *X, uint4 *Y, int T, int K) {
     pdl_entry();
     const int units = (K + 63) >> 6, row = blockIdx.y;

@@ -43,6 +43,7 @@ WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages +
 W16_MIN_T = 1024
 SS_SMEM = 6 * 2 * 128 * 128 + 2 * 6 * 8                           # 6 stages of A + B, their mbarriers
 W16_THREADS = 512                     # most threads a CTA of the copies (a row's 8 pieces a unit)
+COPY_ROWS = 4                         # rows a CTA of w16_fp8 (linear_sm90a.cu COPY_ROWS)
 DECODE_NT_MIN = 16                      # smallest decode-family token tile the launcher picks (8 or 16)
 XS_MAX = 160 << 10                      # largest X staging (bytes) of the _t8 kernels: min(T, 8) * (K + 8) * 2
 
@@ -163,7 +164,8 @@ def _ss_copies(g, x, projs):
         out.append((y, s, s_arg, o, n))
         off += size
     args += [None, None, 0] * (4 - len(projs))
-    g.launch(mod.function('w16_fp8'), grid=(gx, max(n for *_, n in projs), len(projs)), block=(block, 1, 1),
+    g.launch(mod.function('w16_fp8'), grid=(gx, -(-max(n for *_, n in projs) // COPY_ROWS), len(projs)),
+             block=(block, 1, 1),
              args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
     return x16, out
 
