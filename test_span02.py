@@ -5947,7 +5947,7 @@ def test_cli_failed_part_is_reported_in_the_json(tmp_path):
 # === GPU MoE on tensor cores: every launch path byte-identical, accuracy, invariance, timings ===
 # ====================================================================================================
 # --- GPU MoE v2 (tensor-core NVFP4 experts: kernels_ptx/moe.cu moe_gate_up_direct / moe_down_combine_direct /
-# moe_group_count / _place / moe_gate_up_mma_n* / moe_down_mma_n*, launchers in layers/moe.py) against the float64
+# moe_group_place / moe_gate_up_mma_n* / moe_down_mma_n*, launchers in layers/moe.py) against the float64
 # reference of the dequantized weights, byte identity across T / paths / tile widths / batch composition, and timing.
 # Fixtures and helpers come from test_span02.py (the MoE section).
 
@@ -6221,7 +6221,7 @@ def test_moe_path_choice():
     def plan(T, capability=(9, 0), path=None, nt=None):
         g = _LaunchLog(capability)
         P = T * k
-        ws = dict(T=T, k=k, offsets=arr(E + 1), ecount=arr(E), perm=arr(P), active=arr(E), n_active=arr(1), u=arr(P, I),
+        ws = dict(T=T, k=k, offsets=arr(E + 1), perm=arr(P), active=arr(E), n_active=arr(1), u=arr(P, I),
                   o=arr(P, H), xp=arr(T, 2816), up=arr(P, 768), tiles=arr(moe._max_tiles(E, P, 8), 4), n_tiles=arr(1))
         launches = moe._plan(g, arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt)
         for _, f in launches:
@@ -6230,10 +6230,9 @@ def test_moe_path_choice():
         if launches[0][0] == "group_tiles":
             ts = 8 * (nt or (moe._pick_wg_nt(P, E) if "permute_x" in dict(launches) else moe._pick_nt(P, E)))
             threads = min(1024, max(32, -(-P // 512) * 32))          # ~16 pairs a thread
-            assert [x[:2] for x in g.launches[:2]] == [("moe.moe_group_count", (E,)), ("moe.moe_group_place", (E,))]
-            assert g.blocks[:2] == [(threads,)] * 2, g.blocks
-            assert g.args[0][1:] == [P, ws["ecount"]] and g.args[1][1:4] == [P, E, ws["ecount"]], g.args[:2]
-            assert g.args[1][8:] == [ts, ws["tiles"], ws["n_tiles"]], g.args[1]
+            assert g.launches[0][:2] == ("moe.moe_group_place", (E,)) and g.blocks[0] == (threads,), g.blocks
+            assert g.args[0][1:4] == [P, E, ws["offsets"]], g.args[0]
+            assert g.args[0][7:] == [ts, ws["tiles"], ws["n_tiles"]], g.args[0]
             assert g.launches[-1][:2] == ("moe.moe_combine_bf16", (T, (ex["H"] + 1023) // 1024))   # 8 columns a thread
             assert g.args[-1][0] is ws["o"] and g.args[-1][3:] == [T, ex["H"], k, E], g.args[-1]
         return [name for name, _ in launches], g.launches, g.blocks
@@ -6247,13 +6246,13 @@ def test_moe_path_choice():
         stages = {32: 5, 64: 4}[ntok]
         # align, stages (x rows, weights, scales), the tile's row offsets / pair positions / weights, global scales
         shared = 1024 + stages * (256 * ntok + 9216) + 12 * ntok + 32
-        assert [x[0] for x in launches[:2]] == ["moe.moe_group_count", "moe.moe_group_place"]
-        assert launches[2][:2] == ("moe_sm90a.moe_permute_x", (1, T))          # 8 columns a thread, 352 a CTA
-        assert blocks[2] == (352,)
+        assert launches[0][0] == "moe.moe_group_place"
+        assert launches[1][:2] == ("moe_sm90a.moe_permute_x", (1, T))          # 8 columns a thread, 352 a CTA
+        assert blocks[1] == (352,)
         nbd = moe.WG_DOWN_BLOCKS                                     # 128-row blocks a down CTA: 22 of them
-        assert launches[3] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[3]
-        assert launches[4] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \
-            launches[4]
+        assert launches[2] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[2]
+        assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \
+            launches[3]
     assert all(2 * (moe._wg_shared(*v) + 1024) <= 228 * 1024 for v in moe._WG_KERNELS.values())   # + 1 KiB reserved
     assert plan(512, capability=(8, 9))[0][1] == "gate_up_mma_n4"
     assert plan(512, path="wgmma", nt=4)[0][2] == "gate_up_wg32"

@@ -22,6 +22,7 @@
 #include "combine.cuh"      // slots_by_expert_warp, combine8: the combine shared with elementwise.cu
 
 #define FULL 0xffffffffu
+#define MAX_E 256        // experts the grouping handles (layers/moe.py checks E <= 256)
 
 // ---------------------------------------------------------------------------------------------------
 // Grouping: counting sort of the P = T*k pairs by expert, stable (pair order p = t*k+s, so by token within an
@@ -30,15 +31,15 @@
 // Pairs whose expert is outside [0, E) are dropped (the combine skips them too).
 // Then each expert's group is cut into tiles of TS grouped positions for the grouped expert
 // kernels: tiles[i] = (e, q0, nq, 0) in expert order, n_tiles[0] = count (<= n_active + P/TS).
-// Two launches of E CTAs, a CTA per expert; thread i of a CTA owns the contiguous chunk of pairs
-// [i per, (i + 1) per), per = ceil(P / blockDim.x):
-//   moe_group_count: CTA e counts its expert's pairs -> ecount[e];
-//   moe_group_place: CTA e reads every count (its offset, its rank among the active experts, its first tile: one
-//     block scan of the three sums over the threads' runs of experts), writes offsets[e] (CTA 0 also offsets[E],
-//     n_active, n_tiles), active[rank] = e, its tiles, and its pairs' perm entries (a block scan of the threads'
-//     counts: ascending p).
-// Integer-only, deterministic. (The one-CTA form before, 32 warps ranking lanes by __match_any_sync, took
-// ~36 us at T = 2048 on the H200: its MATCH instructions queue on one SM; BENCHMARKS.md twenty-third session.)
+// One launch of E CTAs, a CTA per expert (moe_group_place); thread i of a CTA owns the contiguous chunk of pairs
+// [i per, (i + 1) per), per = ceil(P / blockDim.x). CTA e counts every expert's pairs into a shared histogram
+// (atomics: order-free), takes its offset, its rank among the active experts and its first tile from it (one block
+// scan of the three sums over the threads' runs of experts), writes offsets[e] (CTA 0 also offsets[E], n_active,
+// n_tiles), active[rank] = e, its tiles, and its pairs' perm entries (a block scan of the threads' counts of e:
+// ascending p). Integer-only, deterministic. (Before: the one-CTA form, 32 warps ranking lanes by
+// __match_any_sync, ~36 us at T = 2048 on the H200, its MATCH instructions queued on one SM; then a count launch
+// (moe_group_count, CTA e counting its expert into global memory) before this one; BENCHMARKS.md twenty-third and
+// twenty-fourth sessions.)
 
 // Exclusive prefixes of v[0 .. N-1] over the block (blockDim.x a multiple of 32, <= 1024); total: the block's sums.
 // Every thread calls it; ws: 32 N ints of shared memory, free again on return.
@@ -78,43 +79,35 @@ template <int N> __device__ __forceinline__ void block_scan(int (&v)[N], int* ws
     __syncthreads();
 }
 
-// The calling thread's chunk of pairs [a, b), and how many of them are expert e's.
+// The calling thread's chunk of pairs [a, b).
 __device__ __forceinline__ void chunk_of(int P, int& a, int& b) {
     const int per = (P + blockDim.x - 1) / blockDim.x;
     a = min(P, (int)threadIdx.x * per);
     b = min(P, a + per);
 }
-__device__ __forceinline__ int count_in(const int* __restrict__ idx, int a, int b, int e) {
-    int c = 0;
-    #pragma unroll 8
-    for (int p = a; p < b; ++p) c += idx[p] == e;
-    return c;
-}
-
-extern "C" __global__ void __launch_bounds__(1024) moe_group_count(const int* __restrict__ idx, int P,
-                                                                 int* __restrict__ ecount) {
-    pdl_entry();
-    __shared__ int ws[32];
-    int a, b, v[1], total[1];
-    chunk_of(P, a, b);
-    v[0] = count_in(idx, a, b, blockIdx.x);
-    block_scan<1>(v, ws, total);
-    if (threadIdx.x == 0) ecount[blockIdx.x] = total[0];
-}
 
 extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
-    const int* __restrict__ idx, int P, int E, const int* __restrict__ ecount, int* __restrict__ offsets,
-    int* __restrict__ perm, int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles,
-    int* __restrict__ n_tiles) {
+    const int* __restrict__ idx, int P, int E, int* __restrict__ offsets, int* __restrict__ perm,
+    int* __restrict__ active, int* __restrict__ n_active, int TS, int4* __restrict__ tiles, int* __restrict__ n_tiles) {
     pdl_entry();
-    __shared__ int ws[3 * 32], mine[4];
+    __shared__ int ws[3 * 32], mine[4], hist[MAX_E];
     const int e = blockIdx.x;
+    for (int x = threadIdx.x; x < E; x += blockDim.x) hist[x] = 0;
+    __syncthreads();
+    int a, b, own = 0;                                   // own: the chunk's pairs of expert e
+    chunk_of(P, a, b);
+    for (int p = a; p < b; ++p) {
+        const int x = idx[p];
+        if (x >= 0 && x < E) atomicAdd(&hist[x], 1);
+        own += x == e;
+    }
+    __syncthreads();
     // the experts' prefixes: thread i sums its run of experts [i q, (i + 1) q) (q = ceil(E / threads)) -- pairs,
     // active, tiles --, one block scan, then the thread that holds e walks its run up to e
     const int q = (E + blockDim.x - 1) / blockDim.x, x0 = min(E, (int)threadIdx.x * q), x1 = min(E, x0 + q);
     int v[3] = {0, 0, 0}, total[3];
     for (int x = x0; x < x1; ++x) {
-        const int cx = ecount[x];
+        const int cx = hist[x];
         v[0] += cx;
         v[1] += cx > 0;
         v[2] += (cx + TS - 1) / TS;
@@ -122,12 +115,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
     block_scan<3>(v, ws, total);
     if (e >= x0 && e < x1) {
         for (int x = x0; x < e; ++x) {
-            const int cx = ecount[x];
+            const int cx = hist[x];
             v[0] += cx;
             v[1] += cx > 0;
             v[2] += (cx + TS - 1) / TS;
         }
-        mine[0] = v[0]; mine[1] = v[1]; mine[2] = v[2]; mine[3] = ecount[e];
+        mine[0] = v[0]; mine[1] = v[1]; mine[2] = v[2]; mine[3] = hist[e];
     }
     __syncthreads();
     const int off = mine[0], rank = mine[1], tb = mine[2], c = mine[3];
@@ -143,9 +136,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_place(
     for (int j = threadIdx.x; j < (c + TS - 1) / TS; j += blockDim.x)
         tiles[tb + j] = make_int4(e, off + j * TS, min(TS, c - j * TS), 0);
     if (c == 0) return;                                  // uniform over the block
-    int a, b, w[1], tw[1];
-    chunk_of(P, a, b);
-    w[0] = count_in(idx, a, b, e);
+    int w[1] = {own}, tw[1];
     block_scan<1>(w, ws, tw);
     int pos = off + w[0];
     for (int p = a; p < b; ++p)

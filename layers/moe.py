@@ -182,7 +182,7 @@ def moe_workspace(g, T, E, k, H, I):
     P = T * k
     return dict(T=T, k=k, logits=g.empty((T, E), np.float32), r=g.empty((T, H), _bf16()),
                 counters=g.upload(np.zeros((T + 3) // 4, np.int32)),    # the router's arrivals, kept at 0
-                offsets=g.empty((E + 1,), np.int32), ecount=g.empty((E,), np.int32),
+                offsets=g.empty((E + 1,), np.int32),
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
                 u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
                 xp=g.empty((T, _pad128(H)), _bf16()), up=g.empty((P, _pad128(I)), _bf16()),    # the wgmma path's
@@ -335,7 +335,7 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
 #           combined in increasing expert index in shared memory. In both, the K blocks of one output tile are
 #           spread over several warps (_direct_split) and added afterwards by one thread per output, in order.
 #           No grouping: at tiny T tokens rarely share an expert (a shared one is read twice, mostly from L2).
-#   grouped (5 launches): moe_group_count / _place (stable counting sort by expert + tiles of 8*NT positions) ->
+#   grouped (4 launches): moe_group_place (stable counting sort by expert + tiles of 8*NT positions) ->
 #           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
 #           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
 DIRECT_MAX_T = 4
@@ -413,14 +413,11 @@ def _group_threads(P):
 
 
 def _group_tiles(g, idx, P, E, ws, ts, tiles):
-    """moe.cu's grouping, 2 launches of a CTA an expert: moe_group_count (ws ecount) then moe_group_place: the pairs
-    sorted by expert (ws perm / offsets / active) and cut into tiles of ts positions. (One CTA with a warp-level
-    match before: ~36 us at T = 2048 on the H200.)"""
-    m, block = g.module("moe"), (_group_threads(P),)
-    g.launch(m.function("moe_group_count"), grid=(E,), block=block, args=[idx, P, ws["ecount"]])
-    g.launch(m.function("moe_group_place"), grid=(E,), block=block,
-             args=[idx, P, E, ws["ecount"], ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles,
-                   ws["n_tiles"]])
+    """moe.cu's grouping, one launch of a CTA an expert (moe_group_place; each CTA counts every expert's pairs in
+    shared memory): the pairs sorted by expert (ws perm / offsets / active) and cut into tiles of ts positions. (One
+    CTA with a warp-level match before: ~36 us at T = 2048 on the H200; then a separate count launch.)"""
+    g.launch(g.module("moe").function("moe_group_place"), grid=(E,), block=(_group_threads(P),),
+             args=[idx, P, E, ws["offsets"], ws["perm"], ws["active"], ws["n_active"], ts, tiles, ws["n_tiles"]])
 
 
 _COMB_THREADS = 128  # COMB_THREADS in moe.cu: 8 columns a thread
