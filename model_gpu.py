@@ -36,7 +36,7 @@ import gpu
 from layers import attention, embed, linear
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
-from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_gpu, upload_linear
+from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear
 from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
@@ -236,9 +236,8 @@ class GpuModel(StepTools):
         # prompt launches use the GPU's one `_ss` scratch (layers.linear), so no dense launch may join the main
         # stream's side of this window.
         act = self._v("act", T, I)
-        with g.branch():
-            gate_up_gelu_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], act)      # bf16(gelu(gate)) * up
-            m = linear_gpu(g, act, w["mlp.down_proj"], self._v("m", T, H))
+        with g.branch():                                         # act = bf16(gelu(gate)) * up, then m = down(act)
+            m = mlp_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], act, self._v("m", T, H))
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)

@@ -6519,6 +6519,35 @@ def test_linear_prefill_tile_choice():
     assert not g.launches[0][0].endswith(('_ws', '_p', '_g128')), g.launches
 
 
+def test_mlp_slots_plan():
+    """layers.linear.mlp_gpu (no device): when the gate_up_gelu launch and the down projection both run `_ss`, act goes
+    out in x16_bf16's slot order (gelu_fp8_bf16_ss_slots) and the down launch takes it as its X: no second x16_bf16,
+    its `_ss` reads act itself; otherwise (fewer tokens than W16_MIN_T, no x16 scratch, I % 64 != 0) the two plain
+    launches. A slot-ordered act where `_ss` does not run is a bug: it raises."""
+    H = 2816
+    bf = lambda t, n: types.SimpleNamespace(shape=(t, n), dtype=BF16, ptr=1024)
+    for t, I, scratch, want in ((2048, 2112, True, 'slots'), (lin_mod.W16_MIN_T - 1, 2112, True, 'ws'),
+                                (2048, 2112, False, 'ws'), (2048, 2080, True, 'plain_ss')):
+        g = _LaunchLog()
+        if scratch:
+            g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=2 * I * H * 2),
+                         'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=t * max(H, -(-I // 64) * 64) * 2)}
+        act, out = bf(t, I), bf(t, H)
+        lin_mod.mlp_gpu(g, bf(t, H), _fake_linear('fp8_channel', I, H), _fake_linear('fp8_channel', I, H),
+                        _fake_linear('fp8_channel', H, I), act, out)
+        names = [f.split('.')[1] for f, *_ in g.launches]
+        if want == 'slots':
+            assert names == ['x16_bf16', 'w16_fp8', 'gelu_fp8_bf16_ss_slots', 'w16_fp8', 'gemm_fp8_bf16_ss'], names
+            assert g.args[2][3 + 3] is act and g.args[4][0] is act and g.args[4][1:3] == [t, I], g.args[4][:3]
+        elif want == 'ws':
+            assert names == ['gelu_fp8_bf16_ws', 'gemm_fp8_bf16_ws'], names
+        else:
+            assert names == ['x16_bf16', 'w16_fp8', 'gelu_fp8_bf16_ss', 'x16_bf16', 'w16_fp8', 'gemm_fp8_bf16_ss'], names
+    g = _LaunchLog()
+    with pytest.raises(AssertionError, match="needs the `_ss` tile"):
+        lin_mod.linear_gpu(g, bf(64, 2112), _fake_linear('fp8_channel', H, 2112), bf(64, H), x_slots=True)
+
+
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
@@ -6562,6 +6591,43 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
                     _same(f'{name} f32 out', y32[rows], dec[3])
         for lin in (a, b, c):
             _lin_free(g, lin)
+
+
+@needs_gpu
+def test_gpu_mlp_slots(lin_g):
+    """mlp_gpu at T = 1100 (act in the slot order: gelu_fp8_bf16_ss_slots, the down projection's `_ss` reading it
+    with no x16_bf16) gives the same out bytes as gate_up_gelu_gpu then linear_gpu (act in rows, x16_bf16), and as
+    the decode family on 64 of its rows; the plan really took the slot path."""
+    g, rng = lin_g, np.random.default_rng(33)
+    H, I, t = 2816, 2112, 1100
+    mk = lambda n, k: upload_linear(g, _lin_raw(rng, 'fp8_channel', n, k)[0])
+    gt, up, dn = mk(I, H), mk(I, H), mk(H, I)
+    x = (rng.standard_normal((t, H), np.float32) * 2).astype(BF16)
+    xd = g.upload(x)
+    act, out, act2, out2 = g.empty((t, I), BF16), g.empty((t, H), BF16), g.empty((t, I), BF16), g.empty((t, H), BF16)
+    g.fill(out, 0xFF); g.fill(out2, 0xFF)
+    fn = lin_mod._wgmma_tile
+    picks = []
+    lin_mod._wgmma_tile = lambda *a, **kw: picks.append(fn(*a, **kw)) or picks[-1]
+    try:
+        lin_mod.mlp_gpu(g, xd, gt, up, dn, act, out)
+    finally:
+        lin_mod._wgmma_tile = fn
+    assert picks[:2] == ['ss', 'ss'], picks
+    gate_up_gelu_gpu(g, xd, gt, up, act2)
+    linear_gpu(g, act2, dn, out2)
+    a, b = g.download(out), g.download(out2)
+    assert a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes(), "mlp_gpu (slots) != the two plain calls"
+    assert g.download(act).tobytes() != g.download(act2).tobytes()        # act really went out in another order
+    rows = np.sort(rng.choice(t, 64, replace=False))
+    xs = g.upload(x[rows])
+    a64, o64 = g.empty((64, I), BF16), g.empty((64, H), BF16)
+    lin_mod.mlp_gpu(g, xs, gt, up, dn, a64, o64)                          # T = 64: the decode family, act in rows
+    _same('mlp slots vs decode family', a[rows], g.download(o64))
+    for arr in (xd, act, out, act2, out2, xs, a64, o64):
+        g.free(arr)
+    for lin in (gt, up, dn):
+        _lin_free(g, lin)
 
 
 @needs_gpu

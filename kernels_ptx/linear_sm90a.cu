@@ -320,8 +320,13 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
 // The gelu epilogue's half of warpgroup WG (0: gate sums, 1: up sums, of the same outputs; see ws_compute): hand
 // gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then store
 // gelu_mul(gate, up) for the others with its values from `take`. Named barriers 1 / 4: gate / up written; 2 / 3:
-// gate / up read (arrived only when the CTA has another tile: `more`).
-template <int WG>
+// gate / up read (arrived only when the CTA has another tile: `more`). SLOTS: act goes out in the slot order of
+// x16_bf16 (N % 64 == 0, so Kp = N; see slot_pos), ready to be the next `_ss` launch's X.
+__device__ __forceinline__ int slot_pos(int c) {             // column c -> its element in the slot-ordered row
+    const int r = c & 31;
+    return (c & ~63) + 8 * (2 * ((r & 15) >> 2) + ((c >> 5) & 1)) + (r & 3) + 4 * (r >> 4);
+}
+template <int WG, bool SLOTS>
 __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj &p0, const Proj &own,
                                              __nv_bfloat16 *give, const __nv_bfloat16 *take, int row, int t0, int T,
                                              int q, int tg, bool more) {
@@ -345,7 +350,7 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
         const int r = row + ((e & 2) ? 8 : 0), tok = t0 + 8 * ((KEEP + e) >> 2) + 2 * q + (e & 1);
         if (r < p0.N && tok < T) {
             const float mine = gelu_in<FMT_FP8>(own, tot[KEEP + e], r), other = __bfloat162float(take[e * 128 + tg]);
-            reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + r] =
+            reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + (SLOTS ? slot_pos(r) : r)] =
                 WG == 0 ? gelu_mul(mine, other) : gelu_mul(other, mine);
         }
     }
@@ -362,7 +367,7 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
 // through shared memory: `gate` (warpgroup 0's, e >= 32) and `up` (warpgroup 1's, e < 32), 8 KB each; named
 // barriers 1 / 4 = gate / up written, 2 / 3 = gate / up read. (Warpgroup 1 had stored all of them while 0 waited:
 // T = 2048 142.1 -> 128.5 us, 343 -> 379 TFLOP/s against the plain tile's ~425; sixteenth session.)
-template <bool GELU, bool SS>
+template <bool GELU, bool SS, bool SLOTS>
 __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
                                            int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
     constexpr int RT = GELU ? 64 : W_ROWS;
@@ -403,8 +408,9 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
             for (int e = 0; e < 64; ++e) tot[e] = __fadd_rn(tot[e], 0.f);
         // D fragment of m64n128: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
         if (GELU) {
-            if (wg == 0) ws_gelu_half<0>(tot, p0, p0, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
-            else ws_gelu_half<1>(tot, p0, q1, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+            if (wg == 0)
+                ws_gelu_half<0, SLOTS>(tot, p0, p0, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+            else ws_gelu_half<1, SLOTS>(tot, p0, q1, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
         } else {
 #pragma unroll
             for (int n = 0; n < 16; ++n)
@@ -418,7 +424,7 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     }
 }
 
-template <bool GELU, bool SS>
+template <bool GELU, bool SS, bool SLOTS>
 __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
                                         const Proj &q1, const Proj &q2, const Proj &q3) {
     extern __shared__ __align__(1024) uint8_t smem[];        // (`_ss`: swizzled atoms, 1024-byte aligned)
@@ -440,7 +446,7 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
         return;
     }
     regs_inc<WS_REGS_COMPUTE>();
-    ws_compute<GELU, SS>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
+    ws_compute<GELU, SS, SLOTS>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
 }
 
 // linear.cu's signature (X, T, K, 4 x (W, S, s_arg, Y, N)); FP8 e4m3 weights with a per-tensor (s_arg 0) /
@@ -454,14 +460,14 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
         const void *W1, const float *S1, int sa1, void *Y1, int N1, const void *W2, const float *S2, int sa2,     \
         void *Y2, int N2, const void *W3, const float *S3, int sa3, void *Y3, int N3
 #define W_PROJS {{W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}}
-// One entry point of the tile: ws_body<GELU, SS> over W_PARAMS (also `_ss`'s, at the end of the file).
-#define W_ENTRY(NAME, GELU, SS)                                                                                 \
+// One entry point of the tile: ws_body<GELU, SS, SLOTS> over W_PARAMS (also `_ss`'s, at the end of the file).
+#define W_ENTRY(NAME, GELU, SS, SLOTS)                                                                          \
     extern "C" __global__ void __launch_bounds__(WS_THREADS) NAME(W_PARAMS) {                                   \
         const Proj p[4] = W_PROJS;                                                                              \
-        ws_body<GELU, SS>(X, T, K, p[0], p[1], p[2], p[3]);                                                     \
+        ws_body<GELU, SS, SLOTS>(X, T, K, p[0], p[1], p[2], p[3]);                                              \
     }
-W_ENTRY(gemm_fp8_bf16_ws, false, false)
-W_ENTRY(gelu_fp8_bf16_ws, true, false)
+W_ENTRY(gemm_fp8_bf16_ws, false, false, false)
+W_ENTRY(gelu_fp8_bf16_ws, true, false, false)
 
 // ---- `_ss`: the same tile with both wgmma operands from shared memory ----
 // For long prompts: the FP8 -> bf16 conversion is done once per launch instead of once per token tile, and X is put
@@ -539,5 +545,8 @@ extern "C" __global__ void __launch_bounds__(512) x16_bf16(const __nv_bfloat16 *
 
 // gemm_fp8_bf16_ss / gelu_fp8_bf16_ss: `_ws`'s launches (same arguments, grid and block) with X = x16_bf16's copy and
 // W_p = w16_fp8's (rows of Kp; K and S_p as for `_ws`); dynamic smem SS_SMEM (+ W_GATE for gelu).
-W_ENTRY(gemm_fp8_bf16_ss, false, true)
-W_ENTRY(gelu_fp8_bf16_ss, true, true)
+W_ENTRY(gemm_fp8_bf16_ss, false, true, false)
+W_ENTRY(gelu_fp8_bf16_ss, true, true, false)
+// gelu_fp8_bf16_ss_slots: gelu_fp8_bf16_ss with act in x16_bf16's slot order (N % 64 == 0), which the dense MLP's
+// down projection then takes as its `_ss` X without an x16_bf16 launch (layers/linear.py, model_gpu.py).
+W_ENTRY(gelu_fp8_bf16_ss_slots, true, true, true)

@@ -137,26 +137,37 @@ def reserve_w16(g, launches, rows):
             g.scratch[name] = g.empty((nbytes,), np.uint8)
 
 
-def _ss_copies(g, x, projs):
-    """x16_bf16 and w16_fp8 of a launch into g's scratch -> (X's copy, projs with W = their copies), or None when a
-    scratch buffer is missing or too small (then `_ws` runs). One pair of buffers a GPU: `_ss` launches must not run
-    on two streams at once (the model's: the main stream's, and the dense MLP's on the branch while the main stream
-    runs only the router and the experts)."""
-    t, k = x.shape
+def _ss_ok(g, t, k, projs, x_slots=False):
+    """Whether g's scratch holds a `_ss` launch's copies: 'w16' the weights', 'x16' X's (not needed when X comes in
+    the slot order already: x_slots); grid y (rows) at most 65535. Otherwise `_ws` runs."""
     kp = _kp(k)
     scratch = getattr(g, 'scratch', {})
     wbuf, xbuf = scratch.get('w16'), scratch.get('x16')
+    if wbuf is None or wbuf.nbytes < sum(n * kp * 2 for *_, n in projs):
+        return False
+    if not x_slots and (xbuf is None or xbuf.nbytes < t * kp * 2):
+        return False
+    return max(t, *(n for *_, n in projs)) <= 65535
+
+
+def _ss_copies(g, x, projs, x_slots=False):
+    """x16_bf16 (unless x_slots: x is the slot-ordered copy already) and w16_fp8 of a launch into g's scratch ->
+    (X's copy, projs with W = their copies). One pair of buffers a GPU: `_ss` launches must not run on two streams
+    at once (the model's: the main stream's, and the dense MLP's on the branch while the main stream runs only the
+    router and the experts)."""
+    t, k = x.shape
+    kp = _kp(k)
+    wbuf, xbuf = g.scratch['w16'], g.scratch.get('x16')
     sizes = [n * kp * 2 for *_, n in projs]
-    if wbuf is None or xbuf is None or wbuf.nbytes < sum(sizes) or xbuf.nbytes < t * kp * 2:
-        return None
-    if max(t, *(n for *_, n in projs)) > 65535:
-        return None                                      # (rows are grid y)
     mod, units = g.module('linear_sm90a'), kp // 64
     block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
     gx = -(-8 * units // block)
-    x16 = g.view(xbuf, 0, (t, kp), BF16)
-    g.launch(mod.function('x16_bf16'), grid=(gx, t, 1), block=(block, 1, 1), args=[x, x16, t, k],
-             nbytes=2 * t * (k + kp), pdl=True)
+    if x_slots:
+        x16 = x
+    else:
+        x16 = g.view(xbuf, 0, (t, kp), BF16)
+        g.launch(mod.function('x16_bf16'), grid=(gx, t, 1), block=(block, 1, 1), args=[x, x16, t, k],
+                 nbytes=2 * t * (k + kp), pdl=True)
     args, out, off = [k], [], 0
     for (w_ptr, s, s_arg, o, n), size in zip(projs, sizes):
         y = g.view(wbuf, off, (n, kp), BF16)
@@ -165,8 +176,7 @@ def _ss_copies(g, x, projs):
         off += size
     args += [None, None, 0] * (4 - len(projs))
     g.launch(mod.function('w16_fp8'), grid=(gx, -(-max(n for *_, n in projs) // COPY_ROWS), len(projs)),
-             block=(block, 1, 1),
-             args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
+             block=(block, 1, 1), args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
     return x16, out
 
 
@@ -212,10 +222,26 @@ def _gemm_smem(kernel):
     return G_STAGES * (G_ROWS * wstride + 128 * G_XSTRIDE) + 64 * 4 * THREADS
 
 
-def _launch(g, kernel, x, projs, gelu=False):
+def _w_tiles(t, projs, gelu):
+    """Tiles of a wgmma launch: 128 rows x 128 tokens (gelu: 64 gate and 64 up rows)."""
+    rows = [n for *_, n in projs]
+    return (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // 128)
+
+
+def _wgmma_tile(g, kernel, t, k, projs, gelu=False, x_slots=False):
+    """The wgmma tile a launch takes: 'ss', 'ws' or None (another tile); see _launch."""
+    if not (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and _w_tiles(t, projs, gelu) >= W_MIN_CTAS
+            and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
+        return None
+    ok = W16_MIN_T is not None and t >= W16_MIN_T and _ss_ok(g, t, k, projs, x_slots)
+    return 'ss' if ok else 'ws'
+
+
+def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
     """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
     x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_ws` from W_MIN_T,
-    `_g128` from G128_MIN_T, else `_p`) or the decode family (DECODE_VARIANT) by T (same bits either way)."""
+    `_g128` from G128_MIN_T, else `_p`) or the decode family (DECODE_VARIANT) by T (same bits either way).
+    slots (gelu) / x_slots: act goes out / x comes in x16_bf16's slot order; both only on `_ss` (mlp_gpu)."""
     t, k = x.shape
     rows = [n for *_, n in projs]
     args = [x, t, k]
@@ -223,19 +249,19 @@ def _launch(g, kernel, x, projs, gelu=False):
         args += [w_ptr, s, s_arg, out, n]
     wbytes = sum(p[0].nbytes for p in projs if p[0] is not None)
     flops = 2 * t * k * sum(rows)                            # gelu: gate and up rows both
-    w_tiles = (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // 128)   # gelu: 64 rows a tile
-    if (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and w_tiles >= W_MIN_CTAS
-            and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
-        ss = _ss_copies(g, x, projs) if W16_MIN_T is not None and t >= W16_MIN_T else None
-        if ss is not None:
-            x16, copies = ss
+    tile = _wgmma_tile(g, kernel, t, k, projs, gelu, x_slots)
+    if (slots or x_slots) and tile != 'ss':
+        raise AssertionError(f'{kernel}: slot-ordered act needs the `_ss` tile (T={t}, K={k})')
+    if tile is not None:
+        if tile == 'ss':
+            x16, copies = _ss_copies(g, x, projs, x_slots)
             args = [x16, t, k]
             for p in copies + [(None, None, 0, None, 0)] * (4 - len(copies)):
                 args += list(p)
-        f = g.module('linear_sm90a').function(f'{kernel}_{"ss" if ss else "ws"}')
-        g.launch(f, grid=(min(w_tiles, g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
-                 shared=(SS_SMEM if ss else WS_SMEM) + (W_GATE if gelu else 0),
-                 nbytes=2 * _kp(k) * sum(rows) if ss else wbytes, flops=flops, pdl=True)
+        f = g.module('linear_sm90a').function(f'{kernel}_{tile}' + ('_slots' if slots else ''))
+        g.launch(f, grid=(min(_w_tiles(t, projs, gelu), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
+                 shared=(SS_SMEM if tile == 'ss' else WS_SMEM) + (W_GATE if gelu else 0),
+                 nbytes=2 * _kp(k) * sum(rows) if tile == 'ss' else wbytes, flops=flops, pdl=True)
         return
     if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
         f = g.module('linear').function(f'{kernel}_g128')
@@ -279,13 +305,14 @@ def _check_out(out, t, w):
     return f32
 
 
-def linear_gpu(g, x, w, out):
-    """x (T, K) bf16, w GpuLinear, out (T, N) bf16 (or f32 for bf16 weights) -> out."""
+def linear_gpu(g, x, w, out, x_slots=False):
+    """x (T, K) bf16, w GpuLinear, out (T, N) bf16 (or f32 for bf16 weights) -> out. x_slots: x holds its rows in
+    x16_bf16's slot order (mlp_gpu's act; only where the launch runs `_ss`)."""
     _check_x(x, w.K)
     f32 = _check_out(out, x.shape[0], w)
     if x.shape[0]:
         kernel, s_arg = _kernel_of(w, f32)
-        _launch(g, kernel, x, [(w.w, w.s, s_arg, out, w.N)])
+        _launch(g, kernel, x, [(w.w, w.s, s_arg, out, w.N)], x_slots=x_slots)
     return out
 
 
@@ -307,10 +334,11 @@ def linear_multi_gpu(g, x, ws, outs):
     return outs
 
 
-def gate_up_gelu_gpu(g, x, w_gate, w_up, act):
+def gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=False):
     """The dense MLP's act = gelu_mul(bf16(x @ gate^T), bf16(x @ up^T)) in one launch, byte for byte what
     linear_gpu(gate) -> linear_gpu(up) -> layers.mlp.gelu_mul_gpu gives. x (T, K) bf16, gate / up GpuLinear
-    of the same format family and shape (I, K), act (T, I) bf16. Returns act."""
+    of the same format family and shape (I, K), act (T, I) bf16. slots: act's rows in x16_bf16's slot order
+    (mlp_gpu; only where the launch runs `_ss`). Returns act."""
     _check_x(x, w_gate.K)
     kg, sg = _kernel_of(w_gate)
     ku, su = _kernel_of(w_up)
@@ -321,8 +349,22 @@ def gate_up_gelu_gpu(g, x, w_gate, w_up, act):
         raise ValueError(f'act {act.shape} {act.dtype}: expected ({x.shape[0]}, {w_gate.N}) bf16')
     if x.shape[0]:
         _launch(g, kg.replace('gemm_', 'gelu_'), x,
-                [(w_gate.w, w_gate.s, sg, act, w_gate.N), (w_up.w, w_up.s, su, None, w_up.N)], gelu=True)
+                [(w_gate.w, w_gate.s, sg, act, w_gate.N), (w_up.w, w_up.s, su, None, w_up.N)], gelu=True,
+                slots=slots)
     return act
+
+
+def mlp_gpu(g, x, w_gate, w_up, w_down, act, out):
+    """The dense MLP: gate_up_gelu_gpu(x) -> act, then linear_gpu(act, down) -> out, byte for byte those two calls.
+    When both launches run `_ss`, act goes out in x16_bf16's slot order (gelu_fp8_bf16_ss_slots) and the down
+    projection takes it as its X with no x16_bf16 launch (act's buffer then holds the slot order). Returns out."""
+    t, i = x.shape[0], w_gate.N
+    kg, kd = _kernel_of(w_gate)[0].replace('gemm_', 'gelu_'), _kernel_of(w_down)[0]
+    slots = (t > 0 and i % 64 == 0 and w_down.K == i and act.shape == (t, i)
+             and _wgmma_tile(g, kg, t, w_gate.K, [(None, None, 0, None, i)] * 2, gelu=True) == 'ss'
+             and _wgmma_tile(g, kd, t, i, [(None, None, 0, None, w_down.N)], x_slots=True) == 'ss')
+    gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=slots)
+    return linear_gpu(g, act, w_down, out, x_slots=slots)
 
 
 def head_gpu(g, x, table, out_f32):
