@@ -36,7 +36,7 @@ import gpu
 from layers import attention, embed, linear
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
-from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear
+from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear, x_slots_ok
 from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
@@ -191,9 +191,10 @@ class GpuModel(StepTools):
     def _stack(self, T, pos, rows_seq, tab, spans, keep):
         """The decoder layers of an eager step over its T rows, the last one keeping `keep`'s rows (_keep_rows)."""
         self._first_norm(T)
-        last = len(self.layers) - 1
+        last, xn_slots = len(self.layers) - 1, False
         for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
-            self._layer(i, w, geo, T, pos, rows_seq, tab, spans, keep=keep if i == last else None)
+            xn_slots = self._layer(i, w, geo, T, pos, rows_seq, tab, spans, keep=keep if i == last else None,
+                                   xn_slots=xn_slots)
 
     def _first_norm(self, T):
         """xn = layer 0's input_layernorm(x); every later layer's comes fused at the end of the one before."""
@@ -201,23 +202,24 @@ class GpuModel(StepTools):
         rmsnorm_gpu(self.g, self._v("x", T, t.hidden), self.layers[0]["input_layernorm"], self._v("xn", T, t.hidden),
                     t.eps)
 
-    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None):
+    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None, xn_slots=False):
         """One decoder layer over the step's T rows. keep (3, R) int32 (row | pos | rows_seq, _keep_rows): after
-        every row's K/V is written, only those R rows go on (moved to rows 0 .. R-1)."""
+        every row's K/V is written, only those R rows go on (moved to rows 0 .. R-1). xn_slots: xn comes in
+        x16_bf16's slot order (the layer before wrote it so: layers.linear.x_slots_ok). Returns whether this layer
+        left the next one's xn in the slot order."""
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
         xn = self._v("xn", T, H)                                 # xn = input_layernorm(x) here
         q_in, k_in = self._v("q_in", T, Hq * D), self._v("k_in", T, Hkv * D)
         v_in = None if geo.k_eq_v else self._v("v_in", T, Hkv * D)
-        projs = ["q_proj", "k_proj"] + ([] if v_in is None else ["v_proj"])
-        linear_multi_gpu(g, xn, [w["self_attn." + n] for n in projs], [q_in, k_in] + ([] if v_in is None else [v_in]))
+        linear_multi_gpu(g, xn, self._qkv(i), [q_in, k_in] + ([] if v_in is None else [v_in]), x_slots=xn_slots)
         q = self._v("q", T, Hq, D)
         qkv_prep_gpu(g, q_in, k_in, v_in, w["self_attn.q_norm"], w["self_attn.k_norm"], w["inv_freq"], pos, eps,
                      q, None, None, kv=(self.k_pool[i], self.v_pool[i], rows_seq, tab))
         if keep is not None:
             T, pos, rows_seq = self._move_kept(keep, T, Hq * D)
             if T == 0:
-                return
+                return False
             q = self._v("q", T, Hq, D)
         x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
         attn = self._v("attn", T, Hq * D)
@@ -227,9 +229,10 @@ class GpuModel(StepTools):
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         r = self._v("r", T, H)                                   # the MoE router's input row
-        post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
-                            w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,       # h = x + norm(a); xn, e_in, r
-                            router=(r, w["experts"]["router_scale"], H ** -0.5))
+        mlp_in = x_slots_ok(g, T, (w["mlp.gate_proj"], w["mlp.up_proj"]), gelu=True)   # xn straight to `_ss`
+        mlp_in = post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
+                                     w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,  # h = x + norm(a); xn, e_in, r
+                                     router=(r, w["experts"]["router_scale"], H ** -0.5), xn_slots=mlp_in)
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
         # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch). The MLP's
@@ -237,7 +240,8 @@ class GpuModel(StepTools):
         # stream's side of this window.
         act = self._v("act", T, I)
         with g.branch():                                         # act = bf16(gelu(gate)) * up, then m = down(act)
-            m = mlp_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], act, self._v("m", T, H))
+            m = mlp_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], act, self._v("m", T, H),
+                        x_slots=mlp_in)
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
@@ -245,8 +249,16 @@ class GpuModel(StepTools):
         g.join()
         # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
         nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None
-        post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
-                           w["post_feedforward_layernorm"], w["layer_scalar"], x, eps, w_next=nxt, xn=xn)
+        qkv_in = nxt is not None and x_slots_ok(g, T, self._qkv(i + 1))          # the next xn straight to `_ss`
+        return post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
+                                  w["post_feedforward_layernorm"], w["layer_scalar"], x, eps, w_next=nxt, xn=xn,
+                                  xn_slots=qkv_in)
+
+    def _qkv(self, i):
+        """Layer i's q / k (/ v) projections, in linear_multi_gpu's order (full k = v layers have no v_proj)."""
+        w = self.layers[i]
+        return [w["self_attn." + n] for n in ["q_proj", "k_proj"] + ([] if self.cfg.text.layers[i].k_eq_v
+                                                                    else ["v_proj"])]
 
     def _move_kept(self, keep, T, width):
         """Rows keep[0] of q (T, width) and x (T, H) to rows 0 .. R-1 (gathered through q_in and a, free here:

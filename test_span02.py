@@ -3231,6 +3231,53 @@ def test_gpu_rmsnorm_batch_invariance(g, shape):
 
 
 @needs_gpu
+@pytest.mark.parametrize("T,n", [(5, RT_H), (300, RT_H), (3, 128), (2, 72)])
+def test_gpu_norm_chains_xn_slots(g, T, n):
+    """xn_slots: the fused chains' xn in x16_bf16's slot order is exactly x16_bf16 of the row-order xn (the same
+    values, linear_sm90a.cu's permutation), for post_attn_norms_gpu, post_ffn_norms_gpu and its pairs form; the
+    functions say so by returning True, and False where they cannot (n % 64 != 0: rows then; no w_next)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("slots", T, n)).encode()))
+    up = lambda a: g.upload(_rt_bf16(a))                                       # noqa: E731
+    a, x, m, e = (up(rng.normal(0, sd, (T, n))) for sd in (3.0, 1.5, 0.7, 2.0))
+    w = [up(rng.normal(1, 0.4, n)) for _ in range(4)]
+    k, E = 8, 16
+    idx = g.upload(np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32))
+    pairs = moe.Pairs(up(rng.normal(0, 0.5, (T * k, n))), idx, k, E, _rt_out(g, (T, n), RT_BF16))
+    kp = -(-n // 64) * 64
+    units = kp // 64
+    block = min(512, -(-8 * units // 32) * 32)
+
+    def x16(rows):                                                             # x16_bf16 of a row-order xn
+        y = g.empty((T, kp), RT_BF16)
+        g.launch(g.module("linear_sm90a").function("x16_bf16"), grid=(-(-8 * units // block), T, 1),
+                 block=(block, 1, 1), args=[rows, y, T, n])
+        return g.download(y)
+
+    ok = n % 64 == 0
+    runs = {
+        "post_attn": lambda xn, sl: post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], _rt_out(g, (T, n), RT_BF16), xn,
+                                                        _rt_out(g, (T, n), RT_BF16), RT_EPS, xn_slots=sl),
+        "post_ffn": lambda xn, sl: post_ffn_norms_gpu(g, m, e, x, w[0], w[1], w[2], 0.5, _rt_out(g, (T, n), RT_BF16),
+                                                      RT_EPS, w_next=w[3], xn=xn, xn_slots=sl),
+        "post_ffn pairs": lambda xn, sl: post_ffn_norms_gpu(g, m, pairs, x, w[0], w[1], w[2], 0.5,
+                                                            _rt_out(g, (T, n), RT_BF16), RT_EPS, w_next=w[3], xn=xn,
+                                                            xn_slots=sl),
+    }
+    for name, run in runs.items():
+        rows, slots = _rt_out(g, (T, n), RT_BF16), _rt_out(g, (T, n), RT_BF16)
+        assert run(rows, False) is False
+        assert run(slots, True) is ok, name
+        got = g.download(slots)
+        if ok:
+            assert got.tobytes() == x16(rows).tobytes(), name
+            assert got.tobytes() != g.download(rows).tobytes(), name                   # really another order
+        else:
+            assert got.tobytes() == g.download(rows).tobytes(), name
+    assert post_ffn_norms_gpu(g, m, e, x, w[0], w[1], w[2], 0.5, _rt_out(g, (T, n), RT_BF16), RT_EPS,
+                              xn_slots=True) is False                                  # no next norm, no xn
+
+
+@needs_gpu
 @pytest.mark.parametrize("T,n", [(1, RT_H), (5, RT_H), (64, RT_H), (3, 64), (2, 72), (3, 100), (2, 9000)])
 def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
     """post_attn_norms_gpu / post_ffn_norms_gpu (one launch each; n % 8 != 0 or n > 8192 take the separate
@@ -6546,6 +6593,21 @@ def test_mlp_slots_plan():
     g = _LaunchLog()
     with pytest.raises(AssertionError, match="needs the `_ss` tile"):
         lin_mod.linear_gpu(g, bf(64, 2112), _fake_linear('fp8_channel', H, 2112), bf(64, H), x_slots=True)
+    # x_slots_ok: the producers' question (layers.norm's xn for q+k+v and for mlp_gpu's gate_up_gelu)
+    qkv = [_fake_linear('fp8_channel', n, H) for n in (4096, 2048, 2048)]
+    g = _LaunchLog()
+    g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=8192 * H * 2),
+                 'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=2048 * 4096 * 2)}
+    assert lin_mod.x_slots_ok(g, 2048, qkv)
+    assert not lin_mod.x_slots_ok(g, 2048, qkv[:2] * 2 + qkv[2:])       # 2 launches, the first's copies over w16
+    assert not lin_mod.x_slots_ok(g, lin_mod.W16_MIN_T - 1, qkv)
+    assert not lin_mod.x_slots_ok(g, 2048, qkv + [_fake_linear('bf16', 64, H)])        # a launch off `_ss`
+    assert not lin_mod.x_slots_ok(g, 2048, [_fake_linear('fp8_channel', 4096, 2080)])   # K % 64 != 0
+    gu = [_fake_linear('fp8_channel', 2112, H)] * 2
+    assert lin_mod.x_slots_ok(g, 2048, gu, gelu=True)
+    lin_mod.linear_multi_gpu(g, bf(2048, H), qkv, [bf(2048, w.N) for w in qkv], x_slots=True)
+    names = [f.split('.')[1] for f, *_ in g.launches]
+    assert names == ['w16_fp8', 'gemm_fp8_bf16_ss'] and g.args[1][0].ptr == 1024, (names, g.args[1][:3])
 
 
 @needs_gpu

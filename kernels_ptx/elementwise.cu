@@ -13,6 +13,7 @@ typedef __nv_bfloat16 bf16;
 
 #include "pdl.cuh"          // pdl_entry / pdl_wait / pdl_trigger: programmatic dependent launch (which launches use it)
 #include "combine.cuh"      // the experts' combine (post_ffn_norms_pairs_bf16)
+#include "slots.cuh"        // x16_bf16's slot order: the norm chains' xn for the next `_ss` launch
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
@@ -229,6 +230,20 @@ __device__ __forceinline__ void pre_wait() {
 
 __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
 
+// The norm chains' xn: columns c .. c + 7 of a row, as store_bf16<8> stores them, or (slots) at their places in
+// x16_bf16's slot order (slots.cuh: two runs of 4 columns, 8 bytes each; rows of n % 64 == 0).
+__device__ __forceinline__ void store_xn8(bf16* rowp, int c, const float* y, int slots) {
+    if (!slots) {
+        store_bf16<8>(rowp + c, y);
+        return;
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = (uint32_t)f32_to_bf16(y[2 * k]) | ((uint32_t)f32_to_bf16(y[2 * k + 1]) << 16);
+    *reinterpret_cast<uint2*>(rowp + slot_pos(c)) = make_uint2(w[0], w[1]);
+    *reinterpret_cast<uint2*>(rowp + slot_pos(c + 4)) = make_uint2(w[2], w[3]);
+}
+
 // r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
 // each product rounded as transformers' bf16 model does); linear.cu's router kernels take it from here.
 __device__ __forceinline__ void router_row8(const float* f, float inv, const float* sf, float root, bf16* r) {
@@ -243,7 +258,8 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
                                                 const bf16* __restrict__ a, const bf16* __restrict__ x,
                                                 const bf16* __restrict__ w_pa, const bf16* __restrict__ w_pf,
                                                 const bf16* __restrict__ w_pf2, int n, float eps,
-                                                bf16* __restrict__ r, const bf16* __restrict__ r_scale, float root) {
+                                                bf16* __restrict__ r, const bf16* __restrict__ r_scale, float root,
+                                                int xn_slots) {
     if (!PRE) pdl_entry();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
@@ -269,7 +285,7 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
     const float inv_h = inv_rms(row_sum(own ? sumsq8(hv) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
         norm8(hv, inv_h, wts<PRE>(wpf, w_pf + c, wt), y);
-        store_bf16<8>(xn + row + c, y);
+        store_xn8(xn + row, c, y, xn_slots);
         norm8(hv, inv_h, wts<PRE>(wpf2, w_pf2 + c, wt), y);
         store_bf16<8>(e_in + row + c, y);
         if (r) router_row8(hv, inv_h, wts<PRE>(wr, r_scale + c, wt), root, r + row + c);
@@ -280,12 +296,12 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
     bf16 *__restrict__ h, bf16 *__restrict__ xn, bf16 *__restrict__ e_in, const bf16 *__restrict__ a,        \
         const bf16 *__restrict__ x, const bf16 *__restrict__ w_pa, const bf16 *__restrict__ w_pf,           \
         const bf16 *__restrict__ w_pf2, int n, float eps, bf16 *__restrict__ r, const bf16 *__restrict__ r_scale, \
-        float root
+        float root, int xn_slots
 extern "C" __global__ void post_attn_norms_bf16(POST_ATTN_ARGS) {
-    post_attn_norms<false>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root);
+    post_attn_norms<false>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots);
 }
 extern "C" __global__ void post_attn_norms_pre_bf16(POST_ATTN_ARGS) {
-    post_attn_norms<true>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root);
+    post_attn_norms<true>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots);
 }
 
 // router_input_bf16: r alone from h (T, n): the bytes post_attn_norms_bf16 gives for the same h (same layout,
@@ -312,7 +328,8 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
                                                const int* __restrict__ idx, int k, int E,
                                                const bf16* __restrict__ h, const bf16* __restrict__ w1,
                                                const bf16* __restrict__ w2, const bf16* __restrict__ w3,
-                                               const bf16* __restrict__ w4, int n, float eps, float scale) {
+                                               const bf16* __restrict__ w4, int n, float eps, float scale,
+                                               int xn_slots) {
     if (!PRE) pdl_entry();
     __shared__ float sums0[32], sums1[32], sums2[32], sums3[32];
     __shared__ int order[MAX_K];
@@ -361,31 +378,31 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     const float inv_x = inv_rms(row_sum(own ? sumsq8(xv) : 0.f, sums3, warps, lane), n, eps);
     if (own) {
         norm8(xv, inv_x, wts<PRE>(w4f, w4 + c, wt), y);
-        store_bf16<8>(xn + row + c, y);
+        store_xn8(xn + row, c, y, xn_slots);
     }
 }
 
 #define POST_FFN_ARGS                                                                                         \
     bf16 *__restrict__ x, bf16 *__restrict__ xn, const bf16 *__restrict__ m, const bf16 *__restrict__ e,     \
         const bf16 *__restrict__ h, const bf16 *__restrict__ w1, const bf16 *__restrict__ w2,               \
-        const bf16 *__restrict__ w3, const bf16 *__restrict__ w4, int n, float eps, float scale
+        const bf16 *__restrict__ w3, const bf16 *__restrict__ w4, int n, float eps, float scale, int xn_slots
 #define POST_FFN_PAIRS_ARGS                                                                                   \
     bf16 *__restrict__ x, bf16 *__restrict__ xn, const bf16 *__restrict__ m, const bf16 *__restrict__ o,     \
         const int *__restrict__ idx, int k, int E, const bf16 *__restrict__ h, const bf16 *__restrict__ w1, \
         const bf16 *__restrict__ w2, const bf16 *__restrict__ w3, const bf16 *__restrict__ w4, int n, float eps, \
-        float scale
+        float scale, int xn_slots
 extern "C" __global__ void post_ffn_norms_bf16(POST_FFN_ARGS) {
-    post_ffn_norms<false, false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
+    post_ffn_norms<false, false>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 extern "C" __global__ void post_ffn_norms_pre_bf16(POST_FFN_ARGS) {
-    post_ffn_norms<false, true>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale);
+    post_ffn_norms<false, true>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 // o (T*k, n) bf16 pair outputs (row t*k + s: token t's slot s), idx (T, k): e = their combine (see above).
 extern "C" __global__ void post_ffn_norms_pairs_bf16(POST_FFN_PAIRS_ARGS) {
-    post_ffn_norms<true, false>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
+    post_ffn_norms<true, false>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 extern "C" __global__ void post_ffn_norms_pairs_pre_bf16(POST_FFN_PAIRS_ARGS) {
-    post_ffn_norms<true, true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale);
+    post_ffn_norms<true, true>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 
 // ------------------------------------------------------------------------------------------------------

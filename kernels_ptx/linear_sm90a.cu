@@ -48,6 +48,7 @@
 #include "pdl.cuh"
 #include "linear_common.cuh"
 #include "wgmma.cuh"
+#include "slots.cuh"
 
 #define W_ROWS 128                          // W rows per tile (2 warpgroups x 64)
 #define W_TOK 128                           // tokens per tile (wgmma N)
@@ -321,11 +322,7 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
 // gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then store
 // gelu_mul(gate, up) for the others with its values from `take`. Named barriers 1 / 4: gate / up written; 2 / 3:
 // gate / up read (arrived only when the CTA has another tile: `more`). SLOTS: act goes out in the slot order of
-// x16_bf16 (N % 64 == 0, so Kp = N; see slot_pos), ready to be the next `_ss` launch's X.
-__device__ __forceinline__ int slot_pos(int c) {             // column c -> its element in the slot-ordered row
-    const int r = c & 31;
-    return (c & ~63) + 8 * (2 * ((r & 15) >> 2) + ((c >> 5) & 1)) + (r & 3) + 4 * (r >> 4);
-}
+// x16_bf16 (N % 64 == 0, so Kp = N; slots.cuh), ready to be the next `_ss` launch's X.
 template <int WG, bool SLOTS>
 __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj &p0, const Proj &own,
                                              __nv_bfloat16 *give, const __nv_bfloat16 *take, int row, int t0, int T,

@@ -316,29 +316,49 @@ def linear_gpu(g, x, w, out, x_slots=False):
     return out
 
 
-def linear_multi_gpu(g, x, ws, outs):
-    """Several projections of the same x in one launch (q, k, v): outs[i] = linear_gpu(g, x, ws[i], outs[i]),
-    byte for byte. All ws share K; projections of the same kernel family (fp8 tensor / channel mix freely) go
-    four per launch, in the order given; outputs bf16 (or f32 for bf16 weights). Returns outs."""
-    if len(ws) != len(outs):
-        raise ValueError(f'{len(ws)} weights for {len(outs)} outputs')
+def _multi_launches(x_rows, ws, outs):
+    """linear_multi_gpu's launches: [(kernel, projs)], projections of one kernel family four per launch."""
     groups = {}
     for w, out in zip(ws, outs):
-        _check_x(x, w.K)
-        kernel, s_arg = _kernel_of(w, _check_out(out, x.shape[0], w))
+        kernel, s_arg = _kernel_of(w, _check_out(out, x_rows, w) if out is not None else False)
         groups.setdefault(kernel, []).append((w.w, w.s, s_arg, out, w.N))
+    return [(kernel, projs[i:i + 4]) for kernel, projs in groups.items() for i in range(0, len(projs), 4)]
+
+
+def linear_multi_gpu(g, x, ws, outs, x_slots=False):
+    """Several projections of the same x in one launch (q, k, v): outs[i] = linear_gpu(g, x, ws[i], outs[i]),
+    byte for byte. All ws share K; projections of the same kernel family (fp8 tensor / channel mix freely) go
+    four per launch, in the order given; outputs bf16 (or f32 for bf16 weights). x_slots: x's rows in x16_bf16's
+    slot order (only where every launch runs `_ss`: x_slots_ok). Returns outs."""
+    if len(ws) != len(outs):
+        raise ValueError(f'{len(ws)} weights for {len(outs)} outputs')
+    for w in ws:
+        _check_x(x, w.K)
     if x.shape[0]:
-        for kernel, projs in groups.items():
-            for i in range(0, len(projs), 4):
-                _launch(g, kernel, x, projs[i:i + 4])
+        for kernel, projs in _multi_launches(x.shape[0], ws, outs):
+            _launch(g, kernel, x, projs, x_slots=x_slots)
     return outs
 
 
-def gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=False):
+def x_slots_ok(g, t, ws, gelu=False):
+    """Whether x (t rows) may come in x16_bf16's slot order to linear_multi_gpu(ws) (gelu=False) or to mlp_gpu's
+    gate_up_gelu launch (ws = (gate, up)): every launch runs `_ss`, and K % 64 == 0 (a slot-ordered row is K
+    long). The producers (layers.norm's chains) write xn that way only when this holds."""
+    k = ws[0].K
+    if t <= 0 or k % 64:
+        return False
+    if gelu:
+        kg = _kernel_of(ws[0])[0].replace('gemm_', 'gelu_')
+        return _wgmma_tile(g, kg, t, k, [(None, None, 0, None, ws[0].N)] * 2, gelu=True, x_slots=True) == 'ss'
+    return all(_wgmma_tile(g, kernel, t, k, projs, x_slots=True) == 'ss'
+               for kernel, projs in _multi_launches(t, ws, [None] * len(ws)))
+
+
+def gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=False, x_slots=False):
     """The dense MLP's act = gelu_mul(bf16(x @ gate^T), bf16(x @ up^T)) in one launch, byte for byte what
     linear_gpu(gate) -> linear_gpu(up) -> layers.mlp.gelu_mul_gpu gives. x (T, K) bf16, gate / up GpuLinear
-    of the same format family and shape (I, K), act (T, I) bf16. slots: act's rows in x16_bf16's slot order
-    (mlp_gpu; only where the launch runs `_ss`). Returns act."""
+    of the same format family and shape (I, K), act (T, I) bf16. slots / x_slots: act's / x's rows in x16_bf16's
+    slot order (mlp_gpu; only where the launch runs `_ss`). Returns act."""
     _check_x(x, w_gate.K)
     kg, sg = _kernel_of(w_gate)
     ku, su = _kernel_of(w_up)
@@ -350,20 +370,21 @@ def gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=False):
     if x.shape[0]:
         _launch(g, kg.replace('gemm_', 'gelu_'), x,
                 [(w_gate.w, w_gate.s, sg, act, w_gate.N), (w_up.w, w_up.s, su, None, w_up.N)], gelu=True,
-                slots=slots)
+                slots=slots, x_slots=x_slots)
     return act
 
 
-def mlp_gpu(g, x, w_gate, w_up, w_down, act, out):
+def mlp_gpu(g, x, w_gate, w_up, w_down, act, out, x_slots=False):
     """The dense MLP: gate_up_gelu_gpu(x) -> act, then linear_gpu(act, down) -> out, byte for byte those two calls.
     When both launches run `_ss`, act goes out in x16_bf16's slot order (gelu_fp8_bf16_ss_slots) and the down
-    projection takes it as its X with no x16_bf16 launch (act's buffer then holds the slot order). Returns out."""
+    projection takes it as its X with no x16_bf16 launch (act's buffer then holds the slot order). x_slots: x
+    comes in the slot order (x_slots_ok(gelu=True) held for it). Returns out."""
     t, i = x.shape[0], w_gate.N
     kg, kd = _kernel_of(w_gate)[0].replace('gemm_', 'gelu_'), _kernel_of(w_down)[0]
     slots = (t > 0 and i % 64 == 0 and w_down.K == i and act.shape == (t, i)
              and _wgmma_tile(g, kg, t, w_gate.K, [(None, None, 0, None, i)] * 2, gelu=True) == 'ss'
              and _wgmma_tile(g, kd, t, i, [(None, None, 0, None, w_down.N)], x_slots=True) == 'ss')
-    gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=slots)
+    gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=slots, x_slots=x_slots)
     return linear_gpu(g, act, w_down, out, x_slots=slots)
 
 

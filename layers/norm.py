@@ -66,11 +66,12 @@ def _fused_tpr(x):
 NORMS_PRE_MAX_T = 16
 
 
-def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None):
+def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None, xn_slots=False):
     """After o_proj, in one launch: h = x + norm(a) * w_pa; xn = norm(h) * w_pf; e_in = norm(h) * w_pf2
     (all (T, n) bf16): the bytes of rmsnorm_gpu(a, w_pa, h, add=x), rmsnorm_gpu(h, w_pf, xn),
     rmsnorm_gpu(h, w_pf2, e_in). router = (r, scale, root): also the MoE router's input r (T, n) =
-    bf16(bf16(bf16(norm(h)) * scale) * root), the bytes of router_input_gpu(h)."""
+    bf16(bf16(bf16(norm(h)) * scale) * root), the bytes of router_input_gpu(h). xn_slots: xn's rows in
+    x16_bf16's slot order if the fused launch runs (n % 64 == 0); returns whether xn went out that way."""
     T, n = a.shape
     for v in (x, h, xn, e_in) + ((router[0],) if router else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
@@ -81,12 +82,14 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
         rmsnorm_gpu(g, h, w_pf2, e_in, eps)
         if router:
             router_input_gpu(g, h, router[1], router[0], eps, router[2])
-        return
+        return False
     r, scale, root = router if router else (None, None, 1.0)
     pre = T <= NORMS_PRE_MAX_T
+    slots = bool(xn_slots) and n % 64 == 0
     g.launch(g.module("elementwise").function("post_attn_norms_pre_bf16" if pre else "post_attn_norms_bf16"),
              grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
-                                            float(root)], pdl=pre)
+                                            float(root), int(slots)], pdl=pre)
+    return slots
 
 
 def router_input_gpu(g, h, scale, r, eps, root):
@@ -101,12 +104,14 @@ def router_input_gpu(g, h, scale, r, eps, root):
              args=[r, h, scale, n, float(eps), float(root)])
 
 
-def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None):
+def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=None, xn_slots=False):
     """After the dense MLP (m) and the experts (e), in one launch: m1 = norm(m) * w1; s = m1 + norm(e) * w2;
     x = (h + norm(s) * w3) * scale; with w_next: xn = norm(x) * w_next (the next layer's input norm). The bytes
     of the rmsnorm_gpu chain it replaces; m1 and s stay in registers. x must not alias m, e or h.
     e may also be the experts' output before its combine (layers.moe.Pairs, from moe_gpu(combine=False)): then
-    the combine runs inside this launch (post_ffn_norms_pairs_bf16), the bytes of Pairs.combine() then this."""
+    the combine runs inside this launch (post_ffn_norms_pairs_bf16), the bytes of Pairs.combine() then this.
+    xn_slots: xn's rows in x16_bf16's slot order if the fused launch runs (n % 64 == 0); returns whether xn went
+    out that way."""
     T, n = m.shape
     pairs = e if hasattr(e, "combine") else None
     for v in (h, x) + ((xn,) if w_next is not None else ()) + ((e,) if pairs is None else ()):
@@ -122,14 +127,16 @@ def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=No
         rmsnorm_gpu(g, x, w3, x, eps, add=h, scale=scale)
         if w_next is not None:
             rmsnorm_gpu(g, x, w_next, xn, eps)
-        return
+        return False
     xn_arg = xn if w_next is not None else None
     pre = T <= NORMS_PRE_MAX_T
     sfx = "_pre_bf16" if pre else "_bf16"
+    slots = bool(xn_slots) and w_next is not None and n % 64 == 0
     if pairs is not None:
         g.launch(g.module("elementwise").function("post_ffn_norms_pairs" + sfx), grid=(T,), block=(tpr,),
                  args=[x, xn_arg, m, pairs.o, pairs.idx, pairs.k, pairs.E, h, w1, w2, w3, w_next, n, float(eps),
-                       float(scale)], pdl=pre)
-        return
+                       float(scale), int(slots)], pdl=pre)
+        return slots
     g.launch(g.module("elementwise").function("post_ffn_norms" + sfx), grid=(T,), block=(tpr,),
-             args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale)], pdl=pre)
+             args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale), int(slots)], pdl=pre)
+    return slots

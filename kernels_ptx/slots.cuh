@@ -1,0 +1,11 @@
+// x16_bf16's slot order (linear_sm90a.cu, `_ss`): each 64-column unit of a row holds its columns in the order of the
+// k16 steps' slots, 16-byte piece 2j + h = columns 64u + 32h + 4j + 0..3, then 64u + 32h + 16 + 4j + 0..3. Producers
+// that write their output in this order (the dense MLP's gelu tile, the norm chains' xn) spare the next `_ss` launch
+// its x16_bf16 copy. Rows of Kp = 64 ceil(K / 64) columns; the producers here need K % 64 == 0 (Kp = K).
+#pragma once
+
+// column c -> its element in the slot-ordered row (4 consecutive columns from c % 4 == 0 stay consecutive)
+__device__ __forceinline__ int slot_pos(int c) {
+    const int r = c & 31;
+    return (c & ~63) + 8 * (2 * ((r & 15) >> 2) + ((c >> 5) & 1)) + (r & 3) + 4 * (r >> 4);
+}
