@@ -36,7 +36,7 @@ def experts(y, weights, idx, gate_up, down):
 # --- GPU ---
 # Device MoE: linear.cu's router_bf16_* -> (weights (T, k) f32, idx (T, k) i32); kernels_ptx/moe.cu:
 # experts on tensor cores, two launch paths with identical arithmetic (see _experts_direct / _experts_grouped):
-# direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_* (stable counting sort
+# direct (small T): moe_gate_up_direct -> moe_down_combine_direct; grouped: moe_group_place (stable counting sort
 # of the T*k (token, slot) pairs by expert) -> moe_gate_up_mma_n* -> moe_down_mma_n* -> moe_combine_bf16.
 # Arithmetic:
 #   router: r = bf16(bf16(bf16(norm(h)) * scale) * H^-0.5) as transformers' bf16 model; logits fp32 (not
@@ -429,7 +429,7 @@ def _combine(g, o, idx, out, T, H, k, E):
              block=(_COMB_THREADS,), args=[o, idx, out, T, H, k, E])
 
 
-# wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 6 launches): moe_group_* (tiles of
+# wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_place (tiles of
 #   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
 #   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
 #   warpgroup MMAs (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to
