@@ -36,13 +36,17 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float* f) {
     }
 }
 
+// 8 fp32 -> 4 words of bf16 pairs, element j in word j/2, low half first (load_bf16's order)
+__device__ __forceinline__ void pack_bf16x8(const float* f, uint32_t (&w)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = (uint32_t)f32_to_bf16(f[2 * k]) | ((uint32_t)f32_to_bf16(f[2 * k + 1]) << 16);
+}
+
 template <int VEC>
 __device__ __forceinline__ void store_bf16(bf16* p, const float* f) {
     if (VEC == 8) {
         uint32_t w[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++)
-            w[k] = (uint32_t)f32_to_bf16(f[2 * k]) | ((uint32_t)f32_to_bf16(f[2 * k + 1]) << 16);
+        pack_bf16x8(f, w);
         *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
         *reinterpret_cast<uint16_t*>(p) = f32_to_bf16(f[0]);
@@ -238,8 +242,7 @@ __device__ __forceinline__ void store_xn8(bf16* rowp, int c, const float* y, int
         return;
     }
     uint32_t w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) w[k] = (uint32_t)f32_to_bf16(y[2 * k]) | ((uint32_t)f32_to_bf16(y[2 * k + 1]) << 16);
+    pack_bf16x8(y, w);
     *reinterpret_cast<uint2*>(rowp + slot_pos(c)) = make_uint2(w[0], w[1]);
     *reinterpret_cast<uint2*>(rowp + slot_pos(c + 4)) = make_uint2(w[2], w[3]);
 }
