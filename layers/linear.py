@@ -340,6 +340,13 @@ def linear_multi_gpu(g, x, ws, outs, x_slots=False):
     return outs
 
 
+def _gelu_tile(g, t, w_gate, x_slots=False):
+    """The wgmma tile (see _wgmma_tile) of gate_up_gelu_gpu's launch over t rows with these gate (and like up)
+    weights."""
+    kg = _kernel_of(w_gate)[0].replace('gemm_', 'gelu_')
+    return _wgmma_tile(g, kg, t, w_gate.K, [(None, None, 0, None, w_gate.N)] * 2, gelu=True, x_slots=x_slots)
+
+
 def x_slots_ok(g, t, ws, gelu=False):
     """Whether x (t rows) may come in x16_bf16's slot order to linear_multi_gpu(ws) (gelu=False) or to mlp_gpu's
     gate_up_gelu launch (ws = (gate, up)): every launch runs `_ss`, and K % 64 == 0 (a slot-ordered row is K
@@ -348,8 +355,7 @@ def x_slots_ok(g, t, ws, gelu=False):
     if t <= 0 or k % 64:
         return False
     if gelu:
-        kg = _kernel_of(ws[0])[0].replace('gemm_', 'gelu_')
-        return _wgmma_tile(g, kg, t, k, [(None, None, 0, None, ws[0].N)] * 2, gelu=True, x_slots=True) == 'ss'
+        return _gelu_tile(g, t, ws[0], x_slots=True) == 'ss'
     return all(_wgmma_tile(g, kernel, t, k, projs, x_slots=True) == 'ss'
                for kernel, projs in _multi_launches(t, ws, [None] * len(ws)))
 
@@ -380,10 +386,9 @@ def mlp_gpu(g, x, w_gate, w_up, w_down, act, out, x_slots=False):
     projection takes it as its X with no x16_bf16 launch (act's buffer then holds the slot order). x_slots: x
     comes in the slot order (x_slots_ok(gelu=True) held for it). Returns out."""
     t, i = x.shape[0], w_gate.N
-    kg, kd = _kernel_of(w_gate)[0].replace('gemm_', 'gelu_'), _kernel_of(w_down)[0]
     slots = (t > 0 and i % 64 == 0 and w_down.K == i and act.shape == (t, i)
-             and _wgmma_tile(g, kg, t, w_gate.K, [(None, None, 0, None, i)] * 2, gelu=True) == 'ss'
-             and _wgmma_tile(g, kd, t, i, [(None, None, 0, None, w_down.N)], x_slots=True) == 'ss')
+             and _gelu_tile(g, t, w_gate, x_slots) == 'ss'
+             and _wgmma_tile(g, _kernel_of(w_down)[0], t, i, [(None, None, 0, None, w_down.N)], x_slots=True) == 'ss')
     gate_up_gelu_gpu(g, x, w_gate, w_up, act, slots=slots, x_slots=x_slots)
     return linear_gpu(g, act, w_down, out, x_slots=slots)
 
