@@ -3885,6 +3885,37 @@ def test_gpu_qkv_prep(g, geo):
         g.free(a)
 
 
+@needs_gpu
+@pytest.mark.parametrize("D,Hq,Hkv", [(192, 3, 1), (320, 5, 2), (448, 2, 1), (64, 5, 3)])
+def test_gpu_qkv_prep_row_kernel_widths(g, D, Hq, Hkv):
+    """The row kernel at head widths whose D/16 lanes do not divide a warp (a warp then holds 2 or 1 heads and idle
+    lanes) and at odd head counts (a warp's last round half empty): every byte equals the per-head kernel's."""
+    rng = np.random.default_rng(zlib.crc32(repr(("qk rows", D, Hq, Hkv)).encode()))
+    T = 150
+    inv = g.upload(A.rope_inv_freq(Rope("default", 1e4, 1.0), D))
+    wq, wk = g.upload(bf(rng.uniform(0.3, 1.7, D))), g.upload(bf(rng.uniform(0.3, 1.7, D)))
+    ins = [g.upload(bf(rng.standard_normal((T, h, D), np.float32) * 2.0)) for h in (Hq, Hkv, Hkv)]
+    pos = g.upload(rng.integers(0, 5000, T).astype(np.int32))
+    res = []
+    for head_max in (A.QK_HEAD_MAX_T, T):                  # the row kernel, then the per-head kernel
+        outs = [g.empty((T, h, D), BF) for h in (Hq, Hkv, Hkv)]
+        for o in outs:
+            g.fill(o, 0xFF)
+        saved, A.QK_HEAD_MAX_T = A.QK_HEAD_MAX_T, head_max
+        try:
+            A.qkv_prep_gpu(g, *ins, wq, wk, inv, pos, EPS, *outs)
+        finally:
+            A.QK_HEAD_MAX_T = saved
+        res.append([bits(g.download(o)) for o in outs])
+        for o in outs:
+            g.free(o)
+    for name, a, b in zip("qkv", *res):
+        assert not (a == 0xFFFF).all(axis=-1).any(), f"{name}: a head left unwritten"
+        assert (a == b).all(), f"D={D} {name}: the row kernel differs from the per-head one"
+    for a in ins + [inv, wq, wk, pos]:
+        g.free(a)
+
+
 # --- KV scatter --------------------------------------------------------------------------------------------
 
 @needs_gpu

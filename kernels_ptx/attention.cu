@@ -57,12 +57,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 //   qk_norm_rope_bf16 (decode, small T): grid (T, Hq + 2 Hkv), block D/2 (D % 64 == 0: whole warps); thread i
 //     owns pair i; the warps' partials meet in shared memory.
 //   qk_norm_rope_rows_bf16 (prefill): grid (T, ny), block 256; a CTA computes its row's D/2 cos / sin once into
-//     shared memory, then warp w of CTA y takes heads 8 y + w, 8 (y + ny) + w, ..; lane l owns pairs l + 32 j.
-//     D <= 512. (At 2,048 tokens 1,464 us against the per-head shape's 2,525: BENCHMARKS.md, twelfth session.)
-//     A head moves as 16-byte pieces (lane l: piece l, l + 32) through the warp's shared-memory row: loaded into
-//     registers one head ahead, stored there, computed on in place by the lanes' pairs, stored out as pieces.
-//     (Sixteenth session, 2,048 tokens: 47.3 -> 31.7 us sliding, 49.7 -> 37.1 full; the 2-byte accesses before
-//     cost ~51 instructions an element. Loading a warp's 4 heads at once: 34.5 / 39.4 us, 64 registers.)
+//     shared memory, then each warp takes 32 / L heads at a time (L = D/16 lanes a head: lane a of a head holds its
+//     16-byte pieces a and a + L, i.e. the 8 pairs i = 8a .. 8a + 7 whole, in registers, loaded one round ahead).
+//     The sum of squares is the same tree as warp_sum's, evaluated where the values lie: of pair i = 32j + l, bits
+//     4 and 3 of l are bits 1 and 0 of the lane's place in its 4-lane group j, bits 2..0 its element; so the xor-16
+//     and xor-8 stages pair lanes 2 and 1 apart and the xor-4, 2, 1 stages pair elements, and every stage halves
+//     the values a lane holds by sending the half its partner keeps (9 shuffles a group instead of warp_sum's 5 for
+//     each j). D <= 512. (Twelfth session: at 2,048 tokens 1,464 us against the per-head shape's 2,525; sixteenth:
+//     a head through a warp's shared-memory row, one head a warp, 31.7 us sliding, 37.1 full; twenty-fifth, this
+//     form: 28.4 / 37.1 us; BENCHMARKS.md.)
 //     Needs 16-byte aligned head rows (row strides and pointers: the launcher checks, else the per-head kernel).
 // ---------------------------------------------------------------------------------------------------------
 #define QK_PARAMS                                                                                             \
@@ -157,33 +160,62 @@ extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
 }
 
 #define QK_WARPS 8
-#define QK_MAXJ 8                                    // D / 64 <= 8: D <= 512
 
-extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf16(QK_PARAMS) {
-    __shared__ float cs[512];                        // cos of the D/2 angles, then their sin
-    __shared__ float wqk[1024];                      // q_w, then k_w (fp32)
-    __shared__ __align__(16) __nv_bfloat16 rows[QK_WARPS][512];   // warp w's head: its input, then its output
-    const int t = blockIdx.x, half = D >> 1, nj = D >> 6, np = D >> 3;   // np: 16-byte pieces of a head
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// The 4-lane group's total of warp_sum's tree over its 32 pairs (see above): v[e] = the lane's pair 8b + e's square
+// sum, b = lane & 3 (the group's lanes are consecutive). Every lane of the group returns the same bits.
+__device__ __forceinline__ float group_sum32(const float (&v)[8], int lane) {
+    const bool b1 = lane & 2, b0 = lane & 1;
+    float p1[4], p2[2];
+#pragma unroll
+    for (int t = 0; t < 4; t++) {               // xor 16: lanes 2 apart; this lane keeps elements 4 b1 + t
+        const float give = b1 ? v[t] : v[t + 4];
+        p1[t] = __fadd_rn(b1 ? v[t + 4] : v[t], __shfl_xor_sync(0xffffffffu, give, 2));
+    }
+#pragma unroll
+    for (int u = 0; u < 2; u++) {               // xor 8: lanes 1 apart; keeps elements 4 b1 + 2 b0 + u
+        const float give = b0 ? p1[u] : p1[u + 2];
+        p2[u] = __fadd_rn(b0 ? p1[u + 2] : p1[u], __shfl_xor_sync(0xffffffffu, give, 1));
+    }
+    // xor 4 (element bit 2 = b1's side): keeps element 2 b0 + b1 of the 4 sums
+    const float p3 = __fadd_rn(b1 ? p2[1] : p2[0], __shfl_xor_sync(0xffffffffu, b1 ? p2[0] : p2[1], 2));
+    const float p4 = __fadd_rn(p3, __shfl_xor_sync(0xffffffffu, p3, 1));   // xor 2 (element bit 1 = b0's side)
+    return __fadd_rn(p4, __shfl_xor_sync(0xffffffffu, p4, 2));            // xor 1 (element bit 0 = b1's side)
+}
+
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 4) qk_norm_rope_rows_bf16(QK_PARAMS) {
+    __shared__ __align__(16) float cs[512];          // cos of the D/2 angles, then their sin
+    __shared__ __align__(16) float wqk[1024];        // q_w, then k_w (fp32)
+    const int t = blockIdx.x, half = D >> 1, L = D >> 4, nj = D >> 6, hpw = 32 / L;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hl = lane / L, a = lane - hl * L;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {     // weights: nothing earlier kernels write
         wqk[i] = __bfloat162float(q_w[i]);
         wqk[D + i] = __bfloat162float(k_w[i]);
     }
     const int H = Hq + 2 * Hkv, step = QK_WARPS * gridDim.y;
-    int hy = blockIdx.y * QK_WARPS + warp;
+    int ws = blockIdx.y * QK_WARPS + warp;           // the warp's slot: heads hpw ws .. hpw ws + hpw - 1
     pdl_entry();
-    const int p = positions[t];
+    const int p = __ldcg(positions + t);             // not ld.global.nc, which ptxas hoisted above the wait (pdl.cuh)
     const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
-    __nv_bfloat16* row = rows[warp];
-    uint4 v[2];                                      // the next head's pieces lane, lane + 32
-    auto load = [&](const QkHead& hd) {
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-            if (lane + 32 * c < np) v[c] = *reinterpret_cast<const uint4*>(hd.src + 8 * (lane + 32 * c));
+    auto head = [&](int w) { return qk_head(t, hl < hpw && w * hpw + hl < H ? w * hpw + hl : 0, slot, QK_PASS); };
+    auto mine = [&](int w) { return hl < hpw && w * hpw + hl < H; };
+    uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};   // the next round's pieces a, a + L
+    auto load = [&](const QkHead& hd, bool on) {
+        if (on) {
+            v[0] = *reinterpret_cast<const uint4*>(hd.src + 8 * a);
+            v[1] = *reinterpret_cast<const uint4*>(hd.src + 8 * (a + L));
+        }
     };
-    auto head = [&](int h) { return qk_head(t, h, slot, QK_PASS); };
-    QkHead hd = head(hy < H ? hy : 0);
-    if (hy < H) load(hd);                            // the first head's loads fly while cos / sin are computed
+    QkHead hd = head(ws);
+    load(hd, ws * hpw < H && mine(ws));              // the first loads fly while cos / sin are computed
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
@@ -191,47 +223,51 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS) qk_norm_rope_rows_bf
         cs[half + i] = s;
     }
     __syncthreads();
-    while (hy < H) {
-#pragma unroll
-        for (int c = 0; c < 2; c++)
-            if (lane + 32 * c < np) reinterpret_cast<uint4*>(row)[lane + 32 * c] = v[c];
-        __syncwarp();
+    while (ws * hpw < H) {                           // warp-uniform: the shuffles below need every lane
+        float xa[8], xb[8], sq[8];
+        unpack8(v[0], xa);
+        unpack8(v[1], xb);
         const QkHead cur = hd;
-        hy += step;
-        if (hy < H) {                                // the next head's loads fly while this one is computed
-            hd = head(hy);
-            load(hd);
+        const bool on = mine(ws);
+        ws += step;
+        if (ws * hpw < H) {                          // the next round's loads fly while this one is computed
+            hd = head(ws);
+            load(hd, mine(ws));
         }
+#pragma unroll
+        for (int e = 0; e < 8; e++) sq[e] = __fmaf_rn(xb[e], xb[e], __fmul_rn(xa[e], xa[e]));
+        const float sj = group_sum32(sq, lane);      // group a / 4 = j's sum, on its 4 lanes
         float tot = 0.f;
-#pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++) {
-            if (j >= nj) break;
-            const float xa = __bfloat162float(row[32 * j + lane]), xb = __bfloat162float(row[half + 32 * j + lane]);
-            tot = __fadd_rn(tot, warp_sum(__fmaf_rn(xb, xb, __fmul_rn(xa, xa))));
-        }
+        for (int j = 0; j < nj; j++) tot = __fadd_rn(tot, __shfl_sync(0xffffffffu, sj, hl * L + 4 * j));
+        if (!on) continue;
         const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
-        const float* w = wqk + (cur.w > 0 ? D : 0);
+        const float* w = wqk + (cur.w > 0 ? D : 0) + 8 * a;   // (unread for v heads: cur.w < 0)
+        const float* c = cs + 8 * a;
+        uint32_t oa[4], ob[4];
 #pragma unroll
-        for (int j = 0; j < QK_MAXJ; j++) {
-            if (j >= nj) break;
-            const int i = 32 * j + lane;
-            __nv_bfloat16 ba, bb;
-            qk_pair(cur.w, __bfloat162float(row[i]), __bfloat162float(row[half + i]), r, w[i], w[i + half], cs[i],
-                    cs[half + i], ba, bb);
-            row[i] = ba;                             // only this lane reads or writes elements i and i + half
-            row[half + i] = bb;
-        }
-        __syncwarp();
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const int i = lane + 32 * c;
-            if (i < np) {
-                const uint4 o = reinterpret_cast<const uint4*>(row)[i];
-                if (cur.dst) reinterpret_cast<uint4*>(cur.dst)[i] = o;
-                if (cur.pool) reinterpret_cast<uint4*>(cur.pool)[i] = o;
+        for (int k = 0; k < 4; k++) {                // pairs 8a + 2k, + 1
+            float2 wa = make_float2(0.f, 0.f), wb = wa, ck = wa, sk = wa;
+            if (cur.w >= 0) {
+                wa = reinterpret_cast<const float2*>(w)[k];
+                wb = reinterpret_cast<const float2*>(w + half)[k];
+                ck = reinterpret_cast<const float2*>(c)[k];
+                sk = reinterpret_cast<const float2*>(c + half)[k];
             }
+            __nv_bfloat16 a0, b0, a1, b1;
+            qk_pair(cur.w, xa[2 * k], xb[2 * k], r, wa.x, wb.x, ck.x, sk.x, a0, b0);
+            qk_pair(cur.w, xa[2 * k + 1], xb[2 * k + 1], r, wa.y, wb.y, ck.y, sk.y, a1, b1);
+            oa[k] = (uint32_t)__bfloat16_as_ushort(a0) | ((uint32_t)__bfloat16_as_ushort(a1) << 16);
+            ob[k] = (uint32_t)__bfloat16_as_ushort(b0) | ((uint32_t)__bfloat16_as_ushort(b1) << 16);
         }
-        __syncwarp();                                // the row is read out before the next head is stored in it
+        const uint4 A4 = make_uint4(oa[0], oa[1], oa[2], oa[3]), B4 = make_uint4(ob[0], ob[1], ob[2], ob[3]);
+        if (cur.dst) {
+            reinterpret_cast<uint4*>(cur.dst)[a] = A4;
+            reinterpret_cast<uint4*>(cur.dst)[a + L] = B4;
+        }
+        if (cur.pool) {
+            reinterpret_cast<uint4*>(cur.pool)[a] = A4;
+            reinterpret_cast<uint4*>(cur.pool)[a + L] = B4;
+        }
     }
 }
 

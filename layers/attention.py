@@ -164,7 +164,8 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
     into the paged pools (the fused kv_write_gpu). Two kernels, the same bytes (attention.cu): T <= QK_HEAD_MAX_T
     (or D > 512, or rows not 16-byte aligned: _rows_aligned) qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2;
-    else qk_norm_rope_rows_bf16, grid (T, ny), block 256, a warp a head, ny CTAs a row (1 for long prompts)."""
+    else qk_norm_rope_rows_bf16, grid (T, ny), block 256, D/16 lanes a head, ny CTAs a row (1 for long
+    prompts)."""
     T, Hq, D = q_out.shape
     Hkv = k_out.shape[1] if k_out is not None else kv[0].shape[2]
     if D % 64 or not 64 <= D <= 2048:                   # block D/2 threads: whole warps (D = 64: one warp)
@@ -200,8 +201,8 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
                                                             (qs, ks, vs))
     if not rows:
         f, grid, block = g.module("attention").function("qk_norm_rope_bf16"), (T, heads, 1), (D // 2, 1, 1)
-    else:                                               # ny CTAs a row: about 2 CTAs an SM in all, <= a warp a head
-        ny = max(1, min(-(-heads // 8), -(-2 * g.sm_count // T)))
+    else:                           # ny CTAs a row: about 2 CTAs an SM in all; a warp takes 32 // (D // 16) heads
+        ny = max(1, min(-(-heads // (8 * (32 // (D // 16)))), -(-2 * g.sm_count // T)))
         f, grid, block = g.module("attention").function("qk_norm_rope_rows_bf16"), (T, ny, 1), (256, 1, 1)
     g.launch(f, grid=grid, block=block,
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
