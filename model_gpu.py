@@ -223,10 +223,11 @@ class GpuModel(StepTools):
             q = self._v("q", T, Hq, D)
         x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
         attn = self._v("attn", T, Hq * D)
-        attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
-                      spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
-                      max_keys=max_keys, work=self.ws["attn_work"])
-        a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H))
+        o_in = x_slots_ok(g, T, [w["self_attn.o_proj"]])          # attn straight to o_proj's `_ss`
+        o_in = attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
+                             spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
+                             max_keys=max_keys, work=self.ws["attn_work"], out_slots=o_in)
+        a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H), x_slots=o_in)
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         r = self._v("r", T, H)                                   # the MoE router's input row
         mlp_in = x_slots_ok(g, T, (w["mlp.gate_proj"], w["mlp.up_proj"]), gelu=True)   # xn straight to `_ss`

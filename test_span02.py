@@ -4186,6 +4186,41 @@ def test_attention_split_grid():
                     assert z == min(slots, 2) or n * Hkv * (z - 1) < target or z == min(slots, A.ATTN_SPLIT_Z)
 
 
+def slot_order_cols(n):
+    """x16_bf16's slot order (kernels_ptx/slots.cuh) as a column gather, from its description: 16-byte piece 2j + h
+    of 64-column unit u holds columns 64u + 32h + 4j + 0..3, then 64u + 32h + 16 + 4j + 0..3 (n % 64 == 0)."""
+    return np.array([64 * u + 32 * h + 16 * half + 4 * j + c for u in range(n // 64) for j in range(4)
+                     for h in range(2) for half in range(2) for c in range(4)])
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+def test_gpu_attention_out_slots(g, geo):
+    """attention_gpu(out_slots=True): the wgmma prompt kernels (D 256 / 512 on sm_90) store each output row in
+    x16_bf16's slot order, exactly the plain rows gathered by slot_order_cols, and say so; the split (decode) path
+    and the mma.sync tile (D 64 / 128) write plain rows and return False."""
+    D, Hkv, HQ, Wn, sliding = (GEO[geo][k] for k in ("D", "Hkv", "Hq", "W", "sliding"))
+    rng = np.random.default_rng(zlib.crc32(repr(("out_slots", geo)).encode()))
+    sc = Scene(g, rng, [300, 90], Hkv, D)
+    for rows_seq, rows_pos in ((np.zeros(300, np.int32), np.arange(300, dtype=np.int32)),
+                               (np.array([0, 1, 1], np.int32), np.array([299, 50, 89], np.int32))):
+        T = len(rows_seq)
+        q, rs, rp = g.upload(rand_q(rng, T, D, HQ)), g.upload(rows_seq), g.upload(rows_pos)
+        plain, slots = g.empty((T, HQ * D), BF), g.empty((T, HQ * D), BF)
+        g.fill(slots, 0xFF)
+        assert A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, Wn, sliding, plain) is False
+        fused = T > A.ATTN_SPLIT_ROWS and D in A.ATTN_FUSED_WG and g.capability == (9, 0)
+        assert A.attention_gpu(g, q, sc.dk, sc.dv, rs, rp, sc.dt, None, Wn, sliding, slots, out_slots=True) is fused
+        want = g.download(plain)
+        assert not np.isnan(f64(want)).any()
+        if fused:
+            want = want[:, slot_order_cols(HQ * D)]
+        assert bits(g.download(slots)).tobytes() == bits(want).tobytes(), (geo, T)
+        for a in (q, rs, rp, plain, slots):
+            g.free(a)
+    sc.close()
+
+
 @needs_gpu
 @pytest.mark.parametrize("geo", ["sliding", "full"])
 def test_gpu_attention_decode_timing(g, geo):

@@ -7,6 +7,9 @@
 // copies whole chunks without predicates (twenty-third session). d512 (the same session, same call): 2,048-token full
 // prefill 751.7 -> 398.5 us against attn_fused_bf16_d512, 1,024 tokens 207.6 -> 125.1, 507 tokens 63.5 -> 53.0.
 //
+// `_slots` forms of both (twenty-fifth session) store the output rows in x16_bf16's slot order for o_proj's `_ss`
+// launch (store_unit_slots), which then needs no x16_bf16 copy of them.
+//
 // Same tile, other work split. A CTA takes 64 query rows (RP = 64 / G positions of one kv head) and walks the same
 // chunks in the same passes, for DV = 256 columns of the output: all of them at d256, half blockIdx.z of them at d512
 // (two CTAs a tile, each computing the whole S = Q K^T over d 512 and p, and its own half of P.V: the fp32 accumulators
@@ -194,7 +197,28 @@ __device__ __forceinline__ void wg_load(const __nv_bfloat16* __restrict__ q, con
     if (m > 0) mbar_arrive(wg_fv<WKS>(bars, (m - 1) % WVS));
 }
 
-template <int D> __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
+// The lane's 8 output pairs of one 64-column unit of a row (pair(n) = columns 8n + 2 qd, + 1 as bf16x2 bits; the
+// quad's 4 lanes hold the row's 64) stored in x16_bf16's slot order (slots.cuh), so that o_proj's `_ss` launch takes
+// the output as its X without an x16_bf16 copy (the `_slots` kernels; layers.attention.attention_gpu out_slots). In
+// that order 32-byte sector j = 2a + hf of the unit is columns 4 hf .. 4 hf + 3 of blocks a, a + 2, a + 4, a + 6:
+// the pairs of lanes 2 hf and 2 hf + 1, which trade two words so that each stores 16 bytes of it (a 4-byte store
+// per pair, each at its slot, wrote 8-byte pieces: the d256 kernel 3.82 -> 4.04 ms a 2,048-token prefill). Every
+// lane of the warp calls it (shuffles); on: whether this lane's row is stored.
+template <class Pair>
+__device__ __forceinline__ void store_unit_slots(__nv_bfloat16* unit, int qd, bool on, Pair pair) {
+    const int hf = qd >> 1, p = qd & 1;
+#pragma unroll
+    for (int a = 0; a < 2; a++) {               // lane p stores words 4p .. 4p + 3 of the sector's 8
+        const uint32_t w0 = pair(a), w2 = pair(a + 2), w4 = pair(a + 4), w6 = pair(a + 6);
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, p ? w0 : w4, 1);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, p ? w2 : w6, 1);
+        const uint4 v = p ? make_uint4(r0, w4, r1, w6) : make_uint4(w0, r0, w2, r1);
+        if (on) *reinterpret_cast<uint4*>(unit + 16 * (2 * a + hf) + 8 * p) = v;
+    }
+}
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+template <int D, bool SLOTS> __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
     using C = WgCfg<D>;
     constexpr int WKS = C::WKS, NG = C::NG;
     extern __shared__ __align__(1024) uint8_t smem[];          // (the swizzle needs 1024-byte aligned atoms)
@@ -388,6 +412,18 @@ template <int D> __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
 
 #pragma unroll
     for (int rr = 0; rr < 2; rr++) {                            // out = A / L (NaN: more chunks than max_slots)
+        if (SLOTS) {                                            // every lane: store_unit_slots shuffles
+            const int pi = rpi[rr];                             // 0 where !rok: a valid index
+            const bool bad = p_hi[pi] / CHUNK - p_lo[pi] / CHUNK + 1 > max_slots;
+            __nv_bfloat16* op = out + ((size_t)(row0 + lr0 + pi) * Hq + rh[rr]) * D + WDV * blockIdx.z + 128 * j;
+#pragma unroll
+            for (int u = 0; u < 2; u++)                         // the two 64-column units
+                store_unit_slots(op + 64 * u, qd, rok[rr], [&](int n) {
+                    const int i = 4 * (8 * u + n) + 2 * rr;
+                    return bf162_bits(out_pair(A[i], A[i + 1], L[rr], bad));
+                });
+            continue;
+        }
         if (!rok[rr]) continue;
         const int pi = rpi[rr];
         const bool bad = p_hi[pi] / CHUNK - p_lo[pi] / CHUNK + 1 > max_slots;
@@ -401,12 +437,13 @@ template <int D> __device__ __forceinline__ void wg_tile(ATTN_ARGS) {
 }
 
 // attn_fused_wg_bf16_d{D}: grid (ceil(nrows / (64 / G)), Hkv, D / 256), block WNT + WLT (384), dynamic smem
-// WgCfg<D>::SMEM; attn_fused_bf16_d{D}'s arguments.
-extern "C" __global__ void __launch_bounds__(WNT + WLT, 1) attn_fused_wg_bf16_d256(ATTN_ARGS) {
-    pdl_entry();
-    wg_tile<256>(ATTN_PASS);
-}
-extern "C" __global__ void __launch_bounds__(WNT + WLT, 1) attn_fused_wg_bf16_d512(ATTN_ARGS) {
-    pdl_entry();
-    wg_tile<512>(ATTN_PASS);
-}
+// WgCfg<D>::SMEM; attn_fused_bf16_d{D}'s arguments. `_slots`: out's rows in x16_bf16's slot order (store_unit_slots).
+#define ATTN_WG(NAME, D, SLOTS)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(WNT + WLT, 1) NAME(ATTN_ARGS) {                                \
+        pdl_entry();                                                                                            \
+        wg_tile<D, SLOTS>(ATTN_PASS);                                                                           \
+    }
+ATTN_WG(attn_fused_wg_bf16_d256, 256, false)
+ATTN_WG(attn_fused_wg_bf16_d512, 512, false)
+ATTN_WG(attn_fused_wg_bf16_d256_slots, 256, true)
+ATTN_WG(attn_fused_wg_bf16_d512_slots, 512, true)

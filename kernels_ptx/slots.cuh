@@ -1,7 +1,7 @@
 // x16_bf16's slot order (linear_sm90a.cu, `_ss`): each 64-column unit of a row holds its columns in the order of the
 // k16 steps' slots, 16-byte piece 2j + h = columns 64u + 32h + 4j + 0..3, then 64u + 32h + 16 + 4j + 0..3. Producers
-// that write their output in this order (the dense MLP's gelu tile, the norm chains' xn) spare the next `_ss` launch
-// its x16_bf16 copy. Rows of Kp = 64 ceil(K / 64) columns; the producers here need K % 64 == 0 (Kp = K).
+// that write their output in this order (the dense MLP's gelu tile, the norm chains' xn, the wgmma attention's
+// `_slots` kernels for o_proj) spare the next `_ss` launch its x16_bf16 copy. Rows of Kp = 64 ceil(K / 64) columns; the producers here need K % 64 == 0 (Kp = K).
 #pragma once
 
 // column c -> its element in the slot-ordered row (4 consecutive columns from c % 4 == 0 stay consecutive)

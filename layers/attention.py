@@ -259,7 +259,7 @@ def attention_smem(D, MT, wg=False, G=None):
 
 
 def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
-                  max_keys=None, work=None):
+                  max_keys=None, work=None, out_slots=False):
     """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax with
     p rounded to bf16 for the P.V tensor-core product (attention.cu header).
     q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {64, 128, 256, 512}; rows_seq, rows_pos
@@ -279,7 +279,10 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         (mt = ATTN_FUSED_MT[D]): a CTA per (16 mt // G positions, kv head) folds the chunks in registers; no
         scratch (work unused). On sm_90 at D = 256 and 512 its wgmma form ATTN_FUSED_WG[D] (the same bytes): grid
         (ceil(T / (64 // G)), Hkv, D // ATTN_WG_COLS), block ATTN_WG_THREADS (two compute warpgroups and a
-        loader), a CTA per (64 // G positions, kv head, ATTN_WG_COLS output columns)."""
+        loader), a CTA per (64 // G positions, kv head, ATTN_WG_COLS output columns).
+    out_slots: the wgmma kernels' `_slots` form writes out's rows in x16_bf16's slot order (layers.linear: o_proj's
+    `_ss` X, no copy); returns whether out went out that way (not from the split path, whose combine writes it
+    plainly, nor from the mma.sync tile, which is at its register cap)."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -304,7 +307,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     slots = attention_slots(int(max_keys))
     per_row = Hq * slots * (D + 2)                      # float32 scratch per row (split path)
     if T == 0:
-        return
+        return False
     G = Hq // Hkv
     mod = g.module("attention")
     common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
@@ -313,7 +316,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         wg = ATTN_FUSED_WG is not None and D in ATTN_FUSED_WG and g.capability == (9, 0)
         if wg:
             rp, nz, block = ATTN_WG_ROWS // G, D // ATTN_WG_COLS, ATTN_WG_THREADS
-            f = g.module("attention_sm90a").function(ATTN_FUSED_WG[D])
+            f = g.module("attention_sm90a").function(ATTN_FUSED_WG[D] + ("_slots" if out_slots else ""))
         else:
             mt = ATTN_FUSED_MT[D]
             rp, nz, block = 16 * mt // G, 1, mt * D // 2   # positions per fused tile (mt m16 tiles of rows)
@@ -321,7 +324,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         g.launch(f, grid=((T + rp - 1) // rp, Hkv, nz), block=(block, 1, 1),
                  args=common + [0, T, Hq, Hkv, slots, None, None, out],
                  shared=attention_smem(D, ATTN_FUSED_MT[D], wg))
-        return
+        return wg and bool(out_slots)
     own = work is None
     if own:
         work = g.empty((max(1, min(T, ATTN_WORK_BYTES // (4 * per_row))) * per_row + 4,), np.float32)
@@ -345,3 +348,4 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         if own:
             g.sync()                                     # the kernels must be done with it before the free
             g.free(work)
+    return False

@@ -350,7 +350,8 @@ def _gelu_tile(g, t, w_gate, x_slots=False):
 def x_slots_ok(g, t, ws, gelu=False):
     """Whether x (t rows) may come in x16_bf16's slot order to linear_multi_gpu(ws) (gelu=False) or to mlp_gpu's
     gate_up_gelu launch (ws = (gate, up)): every launch runs `_ss`, and K % 64 == 0 (a slot-ordered row is K
-    long). The producers (layers.norm's chains) write xn that way only when this holds."""
+    long). The producers (layers.norm's chains, the gelu tile, layers.attention's wgmma kernels) write that order only
+    when this holds."""
     k = ws[0].K
     if t <= 0 or k % 64:
         return False
