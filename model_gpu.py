@@ -37,7 +37,7 @@ from layers import attention, embed, linear
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear, x_slots_ok
-from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts
+from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts, x_perm_ok as moe_x_perm_ok
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from model import SeqOut, StepTools
@@ -156,7 +156,8 @@ class GpuModel(StepTools):
             tables[j, :len(s.blocks)] = s.blocks
             for k, im in enumerate(s.images):
                 spans[j, k] = (im.start, len(im.embeds))
-        ids = g.upload(np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs]), out=self._v("ids", T, dtype=np.int32))
+        ids = g.upload(np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs]),
+                       out=self._v("ids", T, dtype=np.int32))
         pos = g.upload(np.concatenate([np.arange(s.start, s.start + n, dtype=np.int32) for s, n in zip(seqs, lens)]),
                        out=self._v("pos", T, dtype=np.int32))
         rows_seq = g.upload(np.repeat(np.arange(S, dtype=np.int32), lens), out=self._v("rows_seq", T, dtype=np.int32))
@@ -231,9 +232,11 @@ class GpuModel(StepTools):
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         r = self._v("r", T, H)                                   # the MoE router's input row
         mlp_in = x_slots_ok(g, T, (w["mlp.gate_proj"], w["mlp.up_proj"]), gelu=True)   # xn straight to `_ss`
-        mlp_in = post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
-                                     w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,  # h = x + norm(a); xn, e_in, r
-                                     router=(r, w["experts"]["router_scale"], H ** -0.5), xn_slots=mlp_in)
+        e_perm = moe_x_perm_ok(g, T, w["experts"], t.top_k)                          # e_in straight to the experts
+        mlp_in, e_perm = post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
+                                             w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,  # h = x + norm(a)
+                                             router=(r, w["experts"]["router_scale"], H ** -0.5), xn_slots=mlp_in,
+                                             e_perm=e_perm)
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
         # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch). The MLP's
@@ -246,7 +249,8 @@ class GpuModel(StepTools):
         weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
         idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
-        e = moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws, combine=False)   # its combine: below
+        e = moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws, combine=False,   # its combine: below
+                    x_perm=e_perm)
         g.join()
         # x = (h + norm(norm(m) + norm(e))) * layer_scalar, and the next layer's xn = input_layernorm(x)
         nxt = self.layers[i + 1]["input_layernorm"] if i + 1 < len(self.layers) else None

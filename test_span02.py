@@ -3256,7 +3256,7 @@ def test_gpu_norm_chains_xn_slots(g, T, n):
     ok = n % 64 == 0
     runs = {
         "post_attn": lambda xn, sl: post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], _rt_out(g, (T, n), RT_BF16), xn,
-                                                        _rt_out(g, (T, n), RT_BF16), RT_EPS, xn_slots=sl),
+                                                        _rt_out(g, (T, n), RT_BF16), RT_EPS, xn_slots=sl)[0],
         "post_ffn": lambda xn, sl: post_ffn_norms_gpu(g, m, e, x, w[0], w[1], w[2], 0.5, _rt_out(g, (T, n), RT_BF16),
                                                       RT_EPS, w_next=w[3], xn=xn, xn_slots=sl),
         "post_ffn pairs": lambda xn, sl: post_ffn_norms_gpu(g, m, pairs, x, w[0], w[1], w[2], 0.5,
@@ -3275,6 +3275,38 @@ def test_gpu_norm_chains_xn_slots(g, T, n):
             assert got.tobytes() == g.download(rows).tobytes(), name
     assert post_ffn_norms_gpu(g, m, e, x, w[0], w[1], w[2], 0.5, _rt_out(g, (T, n), RT_BF16), RT_EPS,
                               xn_slots=True) is False                                  # no next norm, no xn
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,n", [(5, RT_H), (300, RT_H), (3, 256), (2, 192)])
+def test_gpu_post_attn_norms_e_perm(g, T, n):
+    """e_perm: post_attn_norms_gpu's e_in in the experts' permuted column order is exactly moe_permute_x of the
+    row-order e_in (the same values, xperm.cuh's permutation), h / xn / r unchanged; returned as the second flag,
+    False where it cannot be (n % 128 != 0: rows then)."""
+    rng = np.random.default_rng(zlib.crc32(repr(("e_perm", T, n)).encode()))
+    up = lambda v: g.upload(_rt_bf16(v))                                       # noqa: E731
+    a, x = up(rng.normal(0, 3.0, (T, n))), up(rng.normal(0, 1.5, (T, n)))
+    w = [up(rng.normal(1, 0.4, n)) for _ in range(4)]
+    res = {}
+    for perm in (False, True):
+        outs = [_rt_out(g, (T, n), RT_BF16) for _ in range(4)]                # h, xn, e_in, r
+        flags = post_attn_norms_gpu(g, a, x, w[0], w[1], w[2], outs[0], outs[1], outs[2], RT_EPS,
+                                    router=(outs[3], w[3], n ** -0.5), e_perm=perm)
+        res[perm] = (flags, [g.download(o) for o in outs])
+    ok = n % 128 == 0
+    assert res[False][0] == (False, False) and res[True][0] == (False, ok)
+    for i in (0, 1, 3):
+        assert res[True][1][i].tobytes() == res[False][1][i].tobytes(), i
+    got, plain = res[True][1][2], res[False][1][2]
+    if ok:
+        xp = g.empty((T, n), RT_BF16)
+        rows = g.upload(plain)
+        g.launch(g.module("moe_sm90a").function("moe_permute_x"), grid=(-(-(n // 8) // min(n // 8, 512)), T),
+                 block=(min(n // 8, 512),), args=[rows, xp, n, n])
+        assert got.tobytes() == g.download(xp).tobytes()
+        assert got.tobytes() != plain.tobytes()                               # really another order
+    else:
+        assert got.tobytes() == plain.tobytes()
 
 
 @needs_gpu
@@ -6065,8 +6097,9 @@ def test_cli_failed_part_is_reported_in_the_json(tmp_path):
 # Fixtures and helpers come from test_span02.py (the MoE section).
 
 
-def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
-    """One moe_gpu call on fresh, poisoned buffers -> out (T, H) bf16 on the host."""
+def run2(g, ex, x, w, idx, path=None, nt=None, poison=True, x_perm=False):
+    """One moe_gpu call on fresh, poisoned buffers -> out (T, H) bf16 on the host. x_perm: x goes in already in the
+    wgmma path's permuted column order (moe_permute_x run here first), as post_attn_norms_gpu(e_perm) writes it."""
     T, H = x.shape
     k = idx.shape[1]
     ws = moe.moe_workspace(g, T, ex["E"], k, H, ex["I"])
@@ -6076,7 +6109,12 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
             g.fill(ws[name], 0xFF)
         g.fill(out, 0xFF)
     dx, dw, di = g.upload(x), g.upload(w), g.upload(idx)
-    moe.moe_gpu(g, dx, None, dw, di, ex, out, ws, path=path, nt=nt)
+    if x_perm:
+        rows, dx = dx, g.empty((T, H), BF16)
+        g.launch(g.module("moe_sm90a").function("moe_permute_x"), grid=(-(-(H // 8) // min(H // 8, 512)), T),
+                 block=(min(H // 8, 512),), args=[rows, dx, H, H])
+        g.free(rows)
+    moe.moe_gpu(g, dx, None, dw, di, ex, out, ws, path=path, nt=nt, x_perm=x_perm)
     res = g.download(out)
     for a in [out, dx, dw, di] + [v for v in ws.values() if isinstance(v, gpu.DeviceArray)]:
         g.free(a)
@@ -6085,8 +6123,11 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True):
 
 def all_paths(g, ex, x, w, idx):
     """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one, the
-    64-token one also with 1 and 3 row blocks a down CTA (the default is moe.WG_DOWN_BLOCKS)."""
+    64-token one also with 1 and 3 row blocks a down CTA (the default is moe.WG_DOWN_BLOCKS), and where the auto
+    path takes it, x in the permuted order (x_perm)."""
     res = {"auto": run2(g, ex, x, w, idx), "direct": run2(g, ex, x, w, idx, path="direct")}
+    if moe.x_perm_ok(g, x.shape[0], ex, idx.shape[1]):                  # the input permuted by its producer
+        res["wgmma_x_perm"] = run2(g, ex, x, w, idx, x_perm=True)
     for nt in moe._NT_CHOICES:
         res[f"grouped_n{nt}"] = run2(g, ex, x, w, idx, path="grouped", nt=nt)
     for nt in wg_nts(g, ex):
@@ -6331,17 +6372,20 @@ def test_moe_path_choice():
     arr = lambda *shape: types.SimpleNamespace(shape=shape, ptr=1024)
     ex = dict(E=E, H=H, I=I, **{n: arr(1) for n in ("gw", "gs", "uw", "us", "dw", "ds", "gsc")})
 
-    def plan(T, capability=(9, 0), path=None, nt=None):
-        g = _LaunchLog(capability)
+    last = {}
+
+    def plan(T, capability=(9, 0), path=None, nt=None, x_perm=False, x=None):
+        g = last["g"] = _LaunchLog(capability)
         P = T * k
         ws = dict(T=T, k=k, offsets=arr(E + 1), perm=arr(P), active=arr(E), n_active=arr(1), u=arr(P, I),
                   o=arr(P, H), xp=arr(T, 2816), up=arr(P, 768), tiles=arr(moe._max_tiles(E, P, 8), 4), n_tiles=arr(1))
-        launches = moe._plan(g, arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt)
+        launches = moe._plan(g, x or arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt, x_perm)
         for _, f in launches:
             f()
         # both grouped paths sort the pairs and combine the slots with the same launches
         if launches[0][0] == "group_tiles":
-            ts = 8 * (nt or (moe._pick_wg_nt(P, E) if "permute_x" in dict(launches) else moe._pick_nt(P, E)))
+            wgmma = any(name.startswith("gate_up_wg") for name, _ in launches)
+            ts = 8 * (nt or (moe._pick_wg_nt(P, E) if wgmma else moe._pick_nt(P, E)))
             threads = min(1024, max(32, -(-P // 512) * 32))          # ~16 pairs a thread
             assert g.launches[0][:2] == ("moe.moe_group_place", (E,)) and g.blocks[0] == (threads,), g.blocks
             assert g.args[0][1:4] == [P, E, ws["offsets"]], g.args[0]
@@ -6367,6 +6411,16 @@ def test_moe_path_choice():
         assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \
             launches[3]
     assert all(2 * (moe._wg_shared(*v) + 1024) <= 228 * 1024 for v in moe._WG_KERNELS.values())   # + 1 KiB reserved
+    # x already permuted by its producer (post_attn_norms' e_perm, where x_perm_ok): no copy, gate/up reads x itself
+    x = arr(2048, H)
+    names, launches, _ = plan(2048, x_perm=True, x=x)
+    assert names == ["group_tiles", "gate_up_wg64", "down_wg64", "combine"], names
+    assert launches[1][0] == "moe_sm90a.moe_gate_up_wg64" and last["g"].args[1][0] is x
+    lg = _LaunchLog((9, 0))
+    assert [T for T in (1, 4, 5, 7, 8, 64, 2048) if moe.x_perm_ok(lg, T, ex, k)] == [8, 64, 2048]
+    assert not moe.x_perm_ok(_LaunchLog((8, 9)), 2048, ex, k)              # no wgmma path off sm_90
+    with pytest.raises(AssertionError, match="permuted x needs the wgmma path"):
+        plan(1, x_perm=True)
     assert plan(512, capability=(8, 9))[0][1] == "gate_up_mma_n4"
     assert plan(512, path="wgmma", nt=4)[0][2] == "gate_up_wg32"
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):

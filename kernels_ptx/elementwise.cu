@@ -14,6 +14,7 @@ typedef __nv_bfloat16 bf16;
 #include "pdl.cuh"          // pdl_entry / pdl_wait / pdl_trigger: programmatic dependent launch (which launches use it)
 #include "combine.cuh"      // the experts' combine (post_ffn_norms_pairs_bf16)
 #include "slots.cuh"        // x16_bf16's slot order: the norm chains' xn for the next `_ss` launch
+#include "xperm.cuh"        // the experts' permuted column order: post_attn_norms' e_in for their wgmma path
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 __device__ __forceinline__ uint16_t f32_to_bf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
@@ -247,6 +248,20 @@ __device__ __forceinline__ void store_xn8(bf16* rowp, int c, const float* y, int
     *reinterpret_cast<uint2*>(rowp + slot_pos(c + 4)) = make_uint2(w[2], w[3]);
 }
 
+// post_attn_norms' e_in: columns c .. c + 7 of a row, as store_bf16<8> stores them, or (perm) at their places in the
+// experts' permuted order (xperm.cuh: four pairs, 4 bytes each; rows of n % 128 == 0), which their gate/up tile
+// then reads without a moe_permute_x copy.
+__device__ __forceinline__ void store_e8(bf16* rowp, int c, const float* y, int perm) {
+    if (!perm) {
+        store_bf16<8>(rowp + c, y);
+        return;
+    }
+    uint32_t w[4];
+    pack_bf16x8(y, w);
+#pragma unroll
+    for (int j = 0; j < 4; j++) *reinterpret_cast<uint32_t*>(rowp + (c & ~127) + perm_pos((c & 127) + 2 * j)) = w[j];
+}
+
 // r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
 // each product rounded as transformers' bf16 model does); linear.cu's router kernels take it from here.
 __device__ __forceinline__ void router_row8(const float* f, float inv, const float* sf, float root, bf16* r) {
@@ -262,7 +277,7 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
                                                 const bf16* __restrict__ w_pa, const bf16* __restrict__ w_pf,
                                                 const bf16* __restrict__ w_pf2, int n, float eps,
                                                 bf16* __restrict__ r, const bf16* __restrict__ r_scale, float root,
-                                                int xn_slots) {
+                                                int xn_slots, int e_perm) {
     if (!PRE) pdl_entry();
     __shared__ float sums0[32], sums1[32];
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, c = threadIdx.x * 8;
@@ -290,7 +305,7 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
         norm8(hv, inv_h, wts<PRE>(wpf, w_pf + c, wt), y);
         store_xn8(xn + row, c, y, xn_slots);
         norm8(hv, inv_h, wts<PRE>(wpf2, w_pf2 + c, wt), y);
-        store_bf16<8>(e_in + row + c, y);
+        store_e8(e_in + row, c, y, e_perm);
         if (r) router_row8(hv, inv_h, wts<PRE>(wr, r_scale + c, wt), root, r + row + c);
     }
 }
@@ -299,12 +314,12 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
     bf16 *__restrict__ h, bf16 *__restrict__ xn, bf16 *__restrict__ e_in, const bf16 *__restrict__ a,        \
         const bf16 *__restrict__ x, const bf16 *__restrict__ w_pa, const bf16 *__restrict__ w_pf,           \
         const bf16 *__restrict__ w_pf2, int n, float eps, bf16 *__restrict__ r, const bf16 *__restrict__ r_scale, \
-        float root, int xn_slots
+        float root, int xn_slots, int e_perm
 extern "C" __global__ void post_attn_norms_bf16(POST_ATTN_ARGS) {
-    post_attn_norms<false>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots);
+    post_attn_norms<false>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots, e_perm);
 }
 extern "C" __global__ void post_attn_norms_pre_bf16(POST_ATTN_ARGS) {
-    post_attn_norms<true>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots);
+    post_attn_norms<true>(h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, eps, r, r_scale, root, xn_slots, e_perm);
 }
 
 // router_input_bf16: r alone from h (T, n): the bytes post_attn_norms_bf16 gives for the same h (same layout,

@@ -39,18 +39,9 @@
 
 #include "pdl.cuh"
 #include "moe_common.cuh"
+#include "xperm.cuh"      // perm_pos / perm_col: the permuted column order
 #include "wgmma.cuh"
 
-// Column c (0..127) of a super unit -> its position in the permuted order; word w (0..63) of the permuted order
-// <- column perm_col(w) (2 bf16).
-__device__ __forceinline__ int perm_pos(int c) {
-    const int q = c >> 5, m = (c >> 3) & 3, h = (c >> 2) & 1, r = c & 3;
-    return 16 * (2 * m + h) + (r < 2 ? 2 * q + r : 2 * q + 6 + r);
-}
-__device__ __forceinline__ int perm_col(int w) {
-    const int s = w >> 3, wi = w & 7;
-    return 32 * (wi & 3) + 8 * (s >> 1) + 4 * (s & 1) + 2 * (wi >> 2);
-}
 
 // xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 8 / block),
 // T), block <= Kp / 8: one 16-byte chunk of xp (words 4 j .. 4 j + 3 of a super unit, j = 0..15) per thread, from the

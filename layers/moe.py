@@ -265,7 +265,7 @@ class Pairs:
 
 
 def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, eps=1e-6, path=None, nt=None,
-            combine=True):
+            combine=True, x_perm=False):
     """x_normed (T, H) bf16 = pre_feedforward_layernorm_2(h); weights (T, k) f32, idx (T, k) i32 from router_gpu
     (if weights is None they are computed here from h with experts' router arrays: pass top_k, eps, and
     weights/idx land in workspace); out (T, H) bf16 <- sum_k weight * expert(x). h is only read by the router.
@@ -273,7 +273,9 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
     "grouped" or "wgmma"; nt: grouped tile width 8*nt tokens (1, 2, 4, 8), or the wgmma path's (4, 8; None =
     auto). Neither changes the result bits (tests force each). combine=False: on the grouped / wgmma paths the
     last launch (the combine) is left to the caller, and a Pairs is returned instead of out (post_ffn_norms_gpu
-    takes it); the direct path combines in its down kernel and returns out either way."""
+    takes it); the direct path combines in its down kernel and returns out either way. x_perm: x_normed's rows are
+    in the wgmma path's permuted column order already (layers.norm.post_attn_norms_gpu(e_perm=True), when
+    x_perm_ok), so its moe_permute_x copy is skipped; only on that path."""
     E, H, I = experts["E"], experts["H"], experts["I"]
     T = x_normed.shape[0]
     bf = _bf16()
@@ -299,21 +301,36 @@ def moe_gpu(g, x_normed, h, weights, idx, experts, out, workspace, top_k=None, e
         raise ValueError("moe_gpu: x_normed and out need 16-byte aligned rows")
     if H < 16 or I < 16 or P * max(H, I) >= 2 ** 31:
         raise ValueError(f"moe: need H, I >= 16 and T*k*max(H, I) < 2^31 (T={T}, k={k}, H={H}, I={I})")
-    plan = _plan(g, x_normed, weights, idx, experts, out, workspace, T, k, path, nt)
+    plan = _plan(g, x_normed, weights, idx, experts, out, workspace, T, k, path, nt, x_perm)
     deferred = not combine and plan[-1][0] == "combine"
     for _, launch in plan[:-1] if deferred else plan:
         launch()
     return Pairs(workspace["o"], idx, k, E, out) if deferred else out
 
 
-def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
+def _auto_path(g, T, H, I, k):
+    """moe_gpu's path for T tokens when none is asked for."""
+    return ("direct" if T <= DIRECT_MAX_T and max(_direct_shared(H, I, k)) <= _DIRECT_SMEM else
+            "wgmma" if T >= WG_MIN_T and g.capability == (9, 0) and wg_fits(H, I) else "grouped")
+
+
+def x_perm_ok(g, T, experts, k):
+    """Whether moe_gpu's input for T tokens may come in the wgmma path's permuted column order (x_perm=True): the
+    auto path is wgmma and H % 128 == 0 (the permuted rows are H long, no padding). post_attn_norms_gpu writes e_in
+    so (e_perm) only when this holds."""
+    H, I = experts["H"], experts["I"]
+    return T > 0 and H % 128 == 0 and _auto_path(g, T, H, I, k) == "wgmma"
+
+
+def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None, x_perm=False):
     """The expert launches of one call as [(name, thunk)] (moe_gpu runs them in order; the timing test captures
     them one by one)."""
     H, I = ex["H"], ex["I"]
     direct_fits = max(_direct_shared(H, I, k)) <= _DIRECT_SMEM
     if path is None:
-        path = ("direct" if T <= DIRECT_MAX_T and direct_fits else
-                "wgmma" if T >= WG_MIN_T and g.capability == (9, 0) and wg_fits(H, I) else "grouped")
+        path = _auto_path(g, T, H, I, k)
+    if x_perm and (path != "wgmma" or H % 128):
+        raise AssertionError(f"moe: a permuted x needs the wgmma path and H % 128 == 0 (path {path}, H={H})")
     if path == "direct":
         if not direct_fits:
             raise ValueError(f"moe_gpu: direct path needs 2*H + 128*ceil(H/128) and 2*k*I + 64*k*ceil(I/128) <= "
@@ -322,7 +339,7 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None):
     if path == "grouped":
         return _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt)
     if path == "wgmma":
-        return _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt)
+        return _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt, x_perm)
     raise ValueError(f"moe_gpu: path must be 'direct', 'grouped' or 'wgmma', got {path!r}")
 
 
@@ -472,7 +489,7 @@ def _pick_wg_nt(P, E):
     return 4 if avg <= 24 else 8
 
 
-def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
+def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None, x_perm=False):
     E, H, I = ex["E"], ex["H"], ex["I"]
     P = T * k
     if g.capability != (9, 0):
@@ -497,10 +514,13 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None):
     mw = g.module("moe_sm90a")
     shared = _wg_shared(ntok, stages)
     nbd = WG_DOWN_BLOCKS
-    return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles)),
-            ("permute_x", lambda: g.launch(                  # a 16-byte chunk of xp a thread
-                mw.function("moe_permute_x"), grid=(-(-(Hp // 8) // min(Hp // 8, 512)), T),
-                block=(min(Hp // 8, 512),), args=[x, xp, H, Hp], nbytes=2 * T * (H + Hp))),
+    if x_perm:                                       # x is in the permuted order already (Hp == H): no copy
+        xp = x
+    permute = [] if x_perm else [
+        ("permute_x", lambda: g.launch(                  # a 16-byte chunk of xp a thread
+            mw.function("moe_permute_x"), grid=(-(-(Hp // 8) // min(Hp // 8, 512)), T),
+            block=(min(Hp // 8, 512),), args=[x, xp, H, Hp], nbytes=2 * T * (H + Hp)))]
+    return [("group_tiles", lambda: _group_tiles(g, idx, P, E, ws, ntok, tiles))] + permute + [
             (f"gate_up_{kern}", lambda: g.launch(
                 mw.function(f"moe_gate_up_{kern}"), grid=(I // 64, maxt), block=(256,),
                 args=[xp, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], up,

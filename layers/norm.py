@@ -66,12 +66,14 @@ def _fused_tpr(x):
 NORMS_PRE_MAX_T = 16
 
 
-def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None, xn_slots=False):
+def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None, xn_slots=False, e_perm=False):
     """After o_proj, in one launch: h = x + norm(a) * w_pa; xn = norm(h) * w_pf; e_in = norm(h) * w_pf2
     (all (T, n) bf16): the bytes of rmsnorm_gpu(a, w_pa, h, add=x), rmsnorm_gpu(h, w_pf, xn),
     rmsnorm_gpu(h, w_pf2, e_in). router = (r, scale, root): also the MoE router's input r (T, n) =
     bf16(bf16(bf16(norm(h)) * scale) * root), the bytes of router_input_gpu(h). xn_slots: xn's rows in
-    x16_bf16's slot order if the fused launch runs (n % 64 == 0); returns whether xn went out that way."""
+    x16_bf16's slot order if the fused launch runs (n % 64 == 0); e_perm: e_in's rows in the experts' permuted
+    order (kernels_ptx/xperm.cuh; their wgmma path then skips moe_permute_x) if it runs and n % 128 == 0.
+    Returns (xn_slots, e_perm): whether xn and e_in went out that way."""
     T, n = a.shape
     for v in (x, h, xn, e_in) + ((router[0],) if router else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
@@ -82,14 +84,14 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
         rmsnorm_gpu(g, h, w_pf2, e_in, eps)
         if router:
             router_input_gpu(g, h, router[1], router[0], eps, router[2])
-        return False
+        return False, False
     r, scale, root = router if router else (None, None, 1.0)
     pre = T <= NORMS_PRE_MAX_T
-    slots = bool(xn_slots) and n % 64 == 0
+    slots, perm = bool(xn_slots) and n % 64 == 0, bool(e_perm) and n % 128 == 0
     g.launch(g.module("elementwise").function("post_attn_norms_pre_bf16" if pre else "post_attn_norms_bf16"),
              grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
-                                            float(root), int(slots)], pdl=pre)
-    return slots
+                                            float(root), int(slots), int(perm)], pdl=pre)
+    return slots, perm
 
 
 def router_input_gpu(g, h, scale, r, eps, root):
