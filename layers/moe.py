@@ -447,7 +447,8 @@ def _combine(g, o, idx, out, T, H, k, E):
 
 
 # wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_place (tiles of
-#   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous) ->
+#   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous; skipped when
+#   x comes in that order, x_perm: post_attn_norms writes it so in the model) ->
 #   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
 #   warpgroup MMAs (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to
 #   8*nt tokens. Expert time per layer against the grouped path on the H200 (us, random routing over 128 experts;
