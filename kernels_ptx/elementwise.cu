@@ -235,29 +235,23 @@ __device__ __forceinline__ void pre_wait() {
 
 __device__ __forceinline__ float inv_rms(float s, int n, float eps) { return 1.0f / sqrtf(s / (float)n + eps); }
 
-// The norm chains' xn: columns c .. c + 7 of a row, as store_bf16<8> stores them, or (slots) at their places in
-// x16_bf16's slot order (slots.cuh: two runs of 4 columns, 8 bytes each; rows of n % 64 == 0).
-__device__ __forceinline__ void store_xn8(bf16* rowp, int c, const float* y, int slots) {
-    if (!slots) {
+// Columns c .. c + 7 of a row, as store_bf16<8> stores them (ROWS), or at their places in another column order:
+// x16_bf16's slot order (SLOTS: slots.cuh, two runs of 4 columns, 8 bytes each; rows of n % 64 == 0), the norm
+// chains' xn for the next `_ss` launch; the experts' permuted order (PERM: xperm.cuh, four pairs, 4 bytes each; rows
+// of n % 128 == 0), post_attn_norms' e_in for the experts' gate/up tile (no moe_permute_x copy).
+enum ColOrder { ROWS = 0, SLOTS = 1, PERM = 2 };
+__device__ __forceinline__ void store_cols8(bf16* rowp, int c, const float* y, int order) {
+    if (order == ROWS) {
         store_bf16<8>(rowp + c, y);
         return;
     }
     uint32_t w[4];
     pack_bf16x8(y, w);
-    *reinterpret_cast<uint2*>(rowp + slot_pos(c)) = make_uint2(w[0], w[1]);
-    *reinterpret_cast<uint2*>(rowp + slot_pos(c + 4)) = make_uint2(w[2], w[3]);
-}
-
-// post_attn_norms' e_in: columns c .. c + 7 of a row, as store_bf16<8> stores them, or (perm) at their places in the
-// experts' permuted order (xperm.cuh: four pairs, 4 bytes each; rows of n % 128 == 0), which their gate/up tile
-// then reads without a moe_permute_x copy.
-__device__ __forceinline__ void store_e8(bf16* rowp, int c, const float* y, int perm) {
-    if (!perm) {
-        store_bf16<8>(rowp + c, y);
+    if (order == SLOTS) {
+        *reinterpret_cast<uint2*>(rowp + slot_pos(c)) = make_uint2(w[0], w[1]);
+        *reinterpret_cast<uint2*>(rowp + slot_pos(c + 4)) = make_uint2(w[2], w[3]);
         return;
     }
-    uint32_t w[4];
-    pack_bf16x8(y, w);
 #pragma unroll
     for (int j = 0; j < 4; j++) *reinterpret_cast<uint32_t*>(rowp + (c & ~127) + perm_pos((c & 127) + 2 * j)) = w[j];
 }
@@ -303,9 +297,9 @@ __device__ __forceinline__ void post_attn_norms(bf16* __restrict__ h, bf16* __re
     const float inv_h = inv_rms(row_sum(own ? sumsq8(hv) : 0.f, sums1, warps, lane), n, eps);
     if (own) {
         norm8(hv, inv_h, wts<PRE>(wpf, w_pf + c, wt), y);
-        store_xn8(xn + row, c, y, xn_slots);
+        store_cols8(xn + row, c, y, xn_slots ? SLOTS : ROWS);
         norm8(hv, inv_h, wts<PRE>(wpf2, w_pf2 + c, wt), y);
-        store_e8(e_in + row, c, y, e_perm);
+        store_cols8(e_in + row, c, y, e_perm ? PERM : ROWS);
         if (r) router_row8(hv, inv_h, wts<PRE>(wr, r_scale + c, wt), root, r + row + c);
     }
 }
@@ -396,7 +390,7 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     const float inv_x = inv_rms(row_sum(own ? sumsq8(xv) : 0.f, sums3, warps, lane), n, eps);
     if (own) {
         norm8(xv, inv_x, wts<PRE>(w4f, w4 + c, wt), y);
-        store_xn8(xn + row, c, y, xn_slots);
+        store_cols8(xn + row, c, y, xn_slots ? SLOTS : ROWS);
     }
 }
 
