@@ -42,7 +42,6 @@
 #include "xperm.cuh"      // perm_pos / perm_col: the permuted column order
 #include "wgmma.cuh"
 
-
 // xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 8 / block),
 // T), block <= Kp / 8: one 16-byte chunk of xp (words 4 j .. 4 j + 3 of a super unit, j = 0..15) per thread, from the
 // 4-byte words at columns 32 i + perm_col(4 j) (i = 0..3) of x: a warp's 4 loads read its 2 super units' 512 bytes
