@@ -155,6 +155,17 @@ __device__ __forceinline__ int ws_row_tiles(const Proj &q0, const Proj &q1, cons
     if (GELU) return (q0.N + RT - 1) / RT;
     return (q0.N + RT - 1) / RT + (q1.N + RT - 1) / RT + (q2.N + RT - 1) / RT + (q3.N + RT - 1) / RT;
 }
+// Tile `tile` of a launch (tile_at): its projection, first W row (row0, within that projection's rows) and first token.
+template <bool SS, bool GELU>
+__device__ __forceinline__ Proj tile_proj(int tile, int row_tiles, int T, const Proj &q0, const Proj &q1,
+                                          const Proj &q2, const Proj &q3, int &row0, int &t0) {
+    constexpr int RT = GELU ? 64 : W_ROWS;
+    int b;
+    tile_at<SS>(tile, row_tiles, T, b, t0);
+    const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
+    row0 = b * RT;
+    return p0;
+}
 
 // Loader warpgroup: every unit of every tile of this CTA, in the compute warpgroups' order. Thread pt = 0..127:
 // W pieces i = 0..3 = stage row (pt >> 2) + 32 i, 16 bytes at column 16 (pt & 3); X pieces (kc, i) = token
@@ -175,7 +186,6 @@ __device__ __forceinline__ void cp_async16_full(uint32_t dst, const void *src) {
 template <bool GELU>
 __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
                                         const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
-    constexpr int RT = GELU ? 64 : W_ROWS;
     const int pt = threadIdx.x - 256, lane = pt & 31;
     const int j = lane & 3, h = (lane >> 2) & 1, tb = 4 * (pt >> 5) + (lane >> 3);
     const int wrow = pt >> 2, wcol = 16 * (pt & 3), xcol = 16 * h + 4 * j;
@@ -184,10 +194,8 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
     uint32_t m = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b, t0;
-        tile_at<false>(tile, row_tiles, T, b, t0);
-        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
-        const int row0 = b * RT;
+        int row0, t0;
+        const Proj p0 = tile_proj<false, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
         const uint8_t *w[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
@@ -239,17 +247,15 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
 template <bool GELU>
 __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
                                         const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
-    constexpr int RT = GELU ? 64 : W_ROWS, S = SS_STAGES;
+    constexpr int S = SS_STAGES;
     const int pt = threadIdx.x - 256, prow = pt >> 3, pc = pt & 7;
     const uint32_t dst = sbase + (prow >> 3) * 1024 + (prow & 7) * 128 + ((pc ^ (prow & 7)) << 4);
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3), kp = 64 * units;
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
     uint32_t m = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b, t0;
-        tile_at<true>(tile, row_tiles, T, b, t0);
-        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
-        const int row0 = b * RT;
+        int row0, t0;
+        const Proj p0 = tile_proj<true, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
         const __nv_bfloat16 *w[8], *x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
@@ -367,7 +373,6 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
 template <bool GELU, bool SS, bool SLOTS>
 __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
                                            int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
-    constexpr int RT = GELU ? 64 : W_ROWS;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int r = 16 * warp + g;                              // the lane's first stage row (and r + 8)
     const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the tile
@@ -387,10 +392,8 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     for (int e = 0; e < 64; ++e) acc[e] = 0.f;
     float tot[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b, t0;
-        tile_at<SS>(tile, row_tiles, T, b, t0);
-        const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
-        const int row0 = b * RT;
+        int row0, t0;
+        const Proj p0 = tile_proj<SS, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
 #pragma unroll
         for (int e = 0; e < 64; ++e) tot[e] = -0.f;
         int pend = -1;
