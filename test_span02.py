@@ -6597,14 +6597,14 @@ def test_linear_prefill_tile_choice():
     """layers.linear's launcher (no device): the persistent wgmma tile `_ws` takes FP8 tensor / channel plain, multi
     and gelu launches from W_MIN_T tokens when they have W_MIN_CTAS tiles (128 rows, or 64 gate + up rows for gelu,
     x 128 tokens), on sm_90 only, on min(tiles, SMs) CTAs of WS_THREADS; the rest go to `_g128` / `_p` / the decode
-    family as before. W_GATE / WS_SMEM / WS_THREADS equal the kernel file's defines (the kernel lays its dynamic
+    family as before. W_GATE / W_OUT / WS_SMEM / WS_THREADS equal the kernel file's defines (the kernel lays its dynamic
     shared memory out by them)."""
     src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels_ptx', 'linear_sm90a.cu')).read()
     defs = {}
     for name, expr in re.findall(r'^#define ((?:WS?|SS?)_[A-Z_]+)\s+([^/\n]+?)\s*(?://.*)?$', src, re.M):
         if re.fullmatch(r'[\w\s()*+-]+', expr):                            # the sizes (not the parameter lists)
             defs[name] = eval(expr, {}, dict(defs))
-    assert lin_mod.W_GATE == defs['W_GATE'], defs
+    assert lin_mod.W_GATE == defs['W_GATE'] and lin_mod.W_OUT == defs['W_OUT'], defs
     assert lin_mod.WS_SMEM == defs['WS_SMEM'] and lin_mod.WS_THREADS == defs['WS_THREADS'], defs
     assert lin_mod.SS_SMEM == defs['SS_SMEM'], defs
     H, I = 2816, 2112
@@ -6620,7 +6620,7 @@ def test_linear_prefill_tile_choice():
     def gelu(g, t):
         gate_up_gelu_gpu(g, bf(t, H), _fake_linear('fp8_channel', I, H), _fake_linear('fp8_channel', I, H), bf(t, I))
 
-    S, SG = lin_mod.WS_SMEM, lin_mod.WS_SMEM + lin_mod.W_GATE
+    S, SG = lin_mod.WS_SMEM + lin_mod.W_OUT, lin_mod.WS_SMEM + lin_mod.W_GATE
     cases = [(qkv, 512, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (132, 1, 1), S)),       # 256 tiles on 132 SMs
              (qkv, 128, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (64, 1, 1), S)),         # 64 CTAs: the floor
              (o_proj, 512, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (88, 1, 1), S)),
@@ -6679,8 +6679,8 @@ def test_linear_prefill_tile_choice():
         assert xconv[1].ptr == 1 << 30 and xconv[2:] == [t, k] and ss[0].ptr == 1 << 30 and ss[1:3] == [t, k]
         assert [a.ptr for a in conv[2:3 * len(rows):3]] == [(1 << 20) + int(o) for o in offs], conv
         assert [a.ptr for a in ss[3:3 + 5 * len(rows):5]] == [(1 << 20) + int(o) for o in offs], ss
-        assert g.launches[2][1] == (132, 1, 1) and g.launches[2][2] == lin_mod.SS_SMEM + (lin_mod.W_GATE
-                                                                                          if call is gelu else 0)
+        assert g.launches[2][1] == (132, 1, 1) and g.launches[2][2] == lin_mod.SS_SMEM + (
+            lin_mod.W_GATE if call is gelu else lin_mod.W_OUT)
     g = _LaunchLog()
     qkv(g, 64)                                                              # decode sizes: the decode family
     assert not g.launches[0][0].endswith(('_ws', '_p', '_g128')), g.launches

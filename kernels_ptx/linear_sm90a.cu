@@ -57,6 +57,7 @@
 #define W_XBYTES (4 * W_XSTEP)              // bf16 X of one unit
 #define W_STAGE (W_WBYTES + W_XBYTES)       // 24704 B
 #define W_GATE (64 * 2 * 128)               // gelu: + the gate and up halves the warpgroups exchange (bf16)
+#define W_OUT (W_TOK * W_ROWS * 2)          // plain: + the tile's bf16 outputs on their way out (ws_store_tile)
 
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0) : "memory");
@@ -92,7 +93,7 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
                                             // (deadlock-free while WS_LAG <= WS_STAGES - 2)
 #define WS_THREADS 384
 #define WS_BARS (WS_STAGES * W_STAGE)       // full[WS_STAGES], empty[WS_STAGES]
-#define WS_SMEM (WS_BARS + 2 * WS_STAGES * 8)   // 197,760 B dynamic smem (+ W_GATE for gelu: 214,144)
+#define WS_SMEM (WS_BARS + 2 * WS_STAGES * 8)   // 197,760 B dynamic smem (+ W_OUT: 230,528; gelu + W_GATE: 214,144)
 #define WS_REGS_COMPUTE 216                 // setmaxnreg: 2 x 128 x 216 + 128 x 72 = 384 x 168 (the launch's)
 #define WS_REGS_LOAD 72
 
@@ -102,7 +103,7 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
 #define S_ABYTES (W_ROWS * 128)             // bf16 W (or X) of one unit
 #define SS_STAGES 6
 #define SS_BARS (SS_STAGES * 2 * S_ABYTES)
-#define SS_SMEM (SS_BARS + 2 * SS_STAGES * 8)   // 196,704 B dynamic smem (+ W_GATE for gelu: 213,088)
+#define SS_SMEM (SS_BARS + 2 * SS_STAGES * 8)   // 196,704 B dynamic smem (+ W_OUT: 229,472; gelu + W_GATE: 213,088)
 // The ring of form SS (`_ss`) or not (`_ws`): stages, smem bytes before the gelu buffers, the mbarriers' offset, and
 // the offsets of stage `slot`'s W (A) and X (B) bytes.
 template <bool SS> __host__ __device__ constexpr int ring_stages() { return SS ? SS_STAGES : WS_STAGES; }
@@ -324,22 +325,33 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
     ++m;
 }
 
+// The scales of the lane's two output rows, row and row + 8, of projection p (FP8 tensor / channel; a row past N: 0),
+// read at a tile's start so that the epilogue waits on no load (store_out / gelu_in read one for each of the 64
+// elements, 64 dependent loads: T = 2,048 q+k+v, the stores took ~29 of its ~190 us). scaled_bf16(v, s) is gelu_in's
+// (and store_out's) bf16(v * S[row]) with the scale read already.
+__device__ __forceinline__ float2 row_scales(const float *S, int sa, int N, int row) {
+    return make_float2(row < N ? __ldg(S + (size_t)row * sa) : 0.f, row + 8 < N ? __ldg(S + (size_t)(row + 8) * sa) : 0.f);
+}
+__device__ __forceinline__ float scaled_bf16(float v, float s) {
+    return __bfloat162float(__float2bfloat16_rn(__fmul_rn(v, s)));
+}
+
 // The gelu epilogue's half of warpgroup WG (0: gate sums, 1: up sums, of the same outputs; see ws_compute): hand
 // gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then store
 // gelu_mul(gate, up) for the others with its values from `take`. Named barriers 1 / 4: gate / up written; 2 / 3:
 // gate / up read (arrived only when the CTA has another tile: `more`). SLOTS: act goes out in the slot order of
 // x16_bf16 (N % 64 == 0, so Kp = N; slots.cuh), ready to be the next `_ss` launch's X.
 template <int WG, bool SLOTS>
-__device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj &p0, const Proj &own,
-                                             __nv_bfloat16 *give, const __nv_bfloat16 *take, int row, int t0, int T,
-                                             int q, int tg, bool more) {
+__device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj &p0, float2 sc, __nv_bfloat16 *give,
+                                             const __nv_bfloat16 *take, int row, int t0, int T, int q, int tg,
+                                             bool more) {
     constexpr int GIVE = WG == 0 ? 32 : 0, KEEP = 32 - GIVE;
     if (WG == 0) bar_sync<2, 256>();                          // the other warpgroup has read `give`
     else bar_sync<3, 256>();
 #pragma unroll
     for (int e = 0; e < 32; ++e) {
         const int r = row + ((e & 2) ? 8 : 0);
-        give[e * 128 + tg] = __float2bfloat16_rn(r < p0.N ? gelu_in<FMT_FP8>(own, tot[GIVE + e], r) : 0.f);
+        give[e * 128 + tg] = __float2bfloat16_rn(r < p0.N ? scaled_bf16(tot[GIVE + e], (e & 2) ? sc.y : sc.x) : 0.f);
     }
     if (WG == 0) {
         bar_arrive<1, 256>();
@@ -352,7 +364,8 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
     for (int e = 0; e < 32; ++e) {                            // element KEEP + e: token 8 ((KEEP + e) / 4) + 2q + (e & 1)
         const int r = row + ((e & 2) ? 8 : 0), tok = t0 + 8 * ((KEEP + e) >> 2) + 2 * q + (e & 1);
         if (r < p0.N && tok < T) {
-            const float mine = gelu_in<FMT_FP8>(own, tot[KEEP + e], r), other = __bfloat162float(take[e * 128 + tg]);
+            const float mine = scaled_bf16(tot[KEEP + e], (e & 2) ? sc.y : sc.x);
+            const float other = __bfloat162float(take[e * 128 + tg]);
             reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + (SLOTS ? slot_pos(r) : r)] =
                 WG == 0 ? gelu_mul(mine, other) : gelu_mul(other, mine);
         }
@@ -363,7 +376,58 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
     }
 }
 
-// Compute warpgroups, per tile: the mainloop, then scale, round and store (store_out). Gelu: the two warpgroups
+// The plain epilogue: the tile's 128 rows x 128 tokens, scaled and rounded (store_out's bytes: bf16(v * S[row])), go
+// out through shared memory `out` (W_OUT bytes after the ring), token-major: 256 bytes a token, its 16-byte piece p
+// (rows 8p .. 8p + 7) at (p ^ (token & 7)) << 4, so that neither side conflicts. Each warp puts its 16 rows in with 8
+// stmatrix.trans (the D fragment of m64n128 is stmatrix's: lane (g, q) holds row g, tokens 2q and 2q + 1 of each 8 x 8
+// block; transposed, each of its 8 stored lines is one token's 8 rows), then stores 16 tokens' whole rows, 16 bytes a
+// lane (rows past N / tokens past T are not stored). The 64 two-byte stores a thread it replaces took ~22 of the
+// ~188 us of a 2,048-token q+k+v launch (H200; the tensor cores wait while the warps store). Named barrier 5 (the 256
+// compute threads): the previous tile's lines are read before new ones go in, and all are in before any is read.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t a, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ uint32_t bf16x2_scaled(float a, float b, float s) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(a, s), __fmul_rn(b, s));   // .x (a) in the low half
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+__device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc, const Proj &p0, uint32_t out, int row0,
+                                              int t0, int T) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = lane & 7, mi = lane >> 3;
+    const uint32_t piece = 2 * warp + (mi & 1);               // stmatrix: lane's line j of matrix mi (h = mi & 1)
+    bar_sync<5, 256>();
+#pragma unroll
+    for (int n = 0; n < 16; n += 2) {                         // matrices (n, h 0), (n, h 1), (n + 1, 0), (n + 1, 1)
+        const int tok = 8 * (n + (mi >> 1)) + j;
+        stmatrix_x4_trans(out + tok * 256 + ((piece ^ j) << 4), bf16x2_scaled(tot[4 * n], tot[4 * n + 1], sc.x),
+                          bf16x2_scaled(tot[4 * n + 2], tot[4 * n + 3], sc.y),
+                          bf16x2_scaled(tot[4 * n + 4], tot[4 * n + 5], sc.x),
+                          bf16x2_scaled(tot[4 * n + 6], tot[4 * n + 7], sc.y));
+    }
+    bar_sync<5, 256>();
+    const int pc = lane & 15, row = row0 + 8 * pc;
+    const bool vec = (p0.N & 7) == 0 && (reinterpret_cast<uintptr_t>(p0.Y) & 15) == 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int tl = 16 * warp + 2 * k + (lane >> 4), tok = t0 + tl;
+        uint4 v;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(out + tl * 256 + ((pc ^ (tl & 7)) << 4)));
+        if (tok >= T || row >= p0.N) continue;
+        __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + row;
+        if (vec && row + 8 <= p0.N) {
+            *reinterpret_cast<uint4 *>(y) = v;
+        } else {                                              // an edge piece, or rows not 16-byte aligned
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (row + e < p0.N) reinterpret_cast<uint16_t *>(y)[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
+        }
+    }
+}
+
+// Compute warpgroups, per tile: the mainloop, then scale, round and store (ws_store_tile). Gelu: the two warpgroups
 // hold the gate (0) and up (1) sums of the same outputs and each stores half of them, gelu_mul(gate, up) into
 // projection 0's Y as store_out<.., GELU> does: warpgroup 0 the tokens 0..63 of the tile (elements e < 32), 1 the
 // tokens 64..127. Each hands the other gelu_in of the half it does not store (bf16-rounded, so exact in bf16)
@@ -394,6 +458,8 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int row0, t0;
         const Proj p0 = tile_proj<SS, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
+        const bool upw = GELU && wg == 1;                   // gelu: warpgroup 1 holds the up projection's sums
+        const float2 sc = row_scales(upw ? q1.S : p0.S, upw ? q1.sa : p0.sa, p0.N, row0 + rr);
 #pragma unroll
         for (int e = 0; e < 64; ++e) tot[e] = -0.f;
         int pend = -1;
@@ -409,17 +475,10 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
         // D fragment of m64n128: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
         if (GELU) {
             if (wg == 0)
-                ws_gelu_half<0, SLOTS>(tot, p0, p0, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
-            else ws_gelu_half<1, SLOTS>(tot, p0, q1, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+                ws_gelu_half<0, SLOTS>(tot, p0, sc, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+            else ws_gelu_half<1, SLOTS>(tot, p0, sc, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
         } else {
-#pragma unroll
-            for (int n = 0; n < 16; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int e = 4 * n + i, row = row0 + rr + ((i & 2) ? 8 : 0), tok = t0 + 8 * n + 2 * q + (i & 1);
-                    const float v = tot[e];
-                    if (row < p0.N && tok < T) store_out<FMT_FP8, false, false>(p0, p0, v, v, row, tok);
-                }
+            ws_store_tile(tot, sc, p0, sbase + ring_smem<SS>(), row0, t0, T);
         }
     }
 }

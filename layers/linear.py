@@ -31,6 +31,7 @@ G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # T = 128 q+k+v (64 tiles) 47 / 64 / 29, but o_proj (22 tiles) 34 / 92 / 40 and down 19 / 51 / 24: hence the floor.
 W_MIN_T, W_MIN_CTAS = 65, 64
 W_GATE = 64 * 2 * 128                                               # gelu: + the gate / up halves exchanged
+W_OUT = 128 * 128 * 2                                               # plain: + the tile's outputs on their way out
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
 WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
 # `_ss` (linear_sm90a.cu): the `_ws` tile from bf16 copies of its FP8 weights (w16_fp8) and of X (x16_bf16), each
@@ -260,7 +261,7 @@ def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
                 args += list(p)
         f = g.module('linear_sm90a').function(f'{kernel}_{tile}' + ('_slots' if slots else ''))
         g.launch(f, grid=(min(_w_tiles(t, projs, gelu), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
-                 shared=(SS_SMEM if tile == 'ss' else WS_SMEM) + (W_GATE if gelu else 0),
+                 shared=(SS_SMEM if tile == 'ss' else WS_SMEM) + (W_GATE if gelu else W_OUT),
                  nbytes=2 * _kp(k) * sum(rows) if tile == 'ss' else wbytes, flops=flops, pdl=True)
         return
     if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
