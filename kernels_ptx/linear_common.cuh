@@ -92,10 +92,14 @@ template <int NPEND> __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Epilogue of one output element from its finished slice sum(s): scale, round, (gelu_mul), store.
-// gelu: one projection's finished sum -> its bf16-rounded value (scaled first for FP8 tensor / channel).
+// gelu: one projection's finished sum -> its bf16-rounded value (scaled first for FP8 tensor / channel);
+// scaled_bf16 is the FP8 case with the row's scale s read already (linear_sm90a.cu reads it once a tile).
+__device__ __forceinline__ float scaled_bf16(float v, float s) {
+    return __bfloat162float(__float2bfloat16_rn(__fmul_rn(v, s)));
+}
 template <int FMT>
 __device__ __forceinline__ float gelu_in(const Proj &p, float v, int row) {
-    if (FMT == FMT_FP8) v = __fmul_rn(v, __ldg(p.S + (size_t)row * p.sa));
+    if (FMT == FMT_FP8) return scaled_bf16(v, __ldg(p.S + (size_t)row * p.sa));
     return __bfloat162float(__float2bfloat16_rn(v));
 }
 

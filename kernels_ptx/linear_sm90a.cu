@@ -328,13 +328,9 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
 // The scales of the lane's two output rows, row and row + 8, of projection p (FP8 tensor / channel; a row past N: 0),
 // read at a tile's start so that the epilogue waits on no load (store_out / gelu_in read one for each of the 64
 // elements: 64 dependent loads that ptxas did not merge; H200, T = 2,048, launch copies included: q+k+v 194.6 ->
-// 187.9 us, gate_up_gelu 115.4 -> 107.9). scaled_bf16(v, s) is gelu_in's (and store_out's) bf16(v * S[row]) with the
-// scale read already.
+// 187.9 us, gate_up_gelu 115.4 -> 107.9); the epilogues then use linear_common.cuh's scaled_bf16.
 __device__ __forceinline__ float2 row_scales(const float *S, int sa, int N, int row) {
     return make_float2(row < N ? __ldg(S + (size_t)row * sa) : 0.f, row + 8 < N ? __ldg(S + (size_t)(row + 8) * sa) : 0.f);
-}
-__device__ __forceinline__ float scaled_bf16(float v, float s) {
-    return __bfloat162float(__float2bfloat16_rn(__fmul_rn(v, s)));
 }
 
 // The gelu epilogue's half of warpgroup WG (0: gate sums, 1: up sums, of the same outputs; see ws_compute): hand
