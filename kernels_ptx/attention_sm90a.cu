@@ -292,10 +292,11 @@ template <int D, bool SLOTS> __device__ __forceinline__ void wg_tile(ATTN_ARGS) 
             for (int i = 0; i < 16; i++) t[i] = 0.f;
             wg_fence();
             fence_acc(t);
+            const uint64_t da = sw_desc(qa, 16, 1024), db = sw_desc(kb, 16, 1024);
 #pragma unroll
             for (int ks = 0; ks < D / 16; ks++)
-                wgmma_ss32(t, sw_desc(qa + (ks >> 2) * WATOM + (ks & 3) * 32, 16, 1024),
-                           sw_desc(kb + (ks >> 2) * WATOM + (ks & 3) * 32, 16, 1024));
+                wgmma_ss32(t, desc_step(da, (ks >> 2) * WATOM + (ks & 3) * 32),
+                           desc_step(db, (ks >> 2) * WATOM + (ks & 3) * 32));
             wg_commit();
             fence_acc(t);
         };
@@ -384,9 +385,9 @@ template <int D, bool SLOTS> __device__ __forceinline__ void wg_tile(ATTN_ARGS) 
                 mbar_wait(wg_fv<WKS>(bars, m % WVS), (m / WVS) & 1);     // V landed
                 wg_fence();
                 fence_acc(o);
+                const uint64_t dv = sw_desc(vs_addr + 2 * j * WATOM, WATOM, 1024);
 #pragma unroll
-                for (int ks = 0; ks < CHUNK / 16; ks++)
-                    wgmma_n<128, 1>(o, a[ks], sw_desc(vs_addr + 2 * j * WATOM + 16 * ks * 128, WATOM, 1024));
+                for (int ks = 0; ks < CHUNK / 16; ks++) wgmma_n<128, 1>(o, a[ks], desc_step(dv, 16 * ks * 128));
                 wg_commit();
                 fence_acc(o);
             }

@@ -102,6 +102,13 @@ __device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t lead, uint32
            (1ull << 62);
 }
 
+// desc moved on by `bytes` (a multiple of 16): a shared-window address is below 2^18, so the address field (bits
+// 0..13, 16-byte units) takes the offset without a carry into the other fields; one add instead of sw_desc's five
+// instructions where a loop issues a descriptor a step (moe_sm90a.cu's b_desc_step does the same for its B).
+__device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
+
 // d (64 x 128, fp32, wgmma_n's layout) += A (64 x 16, shared at desc_a) * B (16 x 128, shared at desc_b), both
 // K-major: linear_sm90a.cu's `_ss` tile (A = the bf16 W copy, B = the X copy, both 128-byte swizzled).
 __device__ __forceinline__ void wgmma_ss128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
