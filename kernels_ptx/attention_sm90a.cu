@@ -6,6 +6,12 @@
 // 148.6 us (507 tokens: 32.2 -> 25.5 us) with a loader that reads a chunk's 4 block numbers once for its K and V and
 // copies whole chunks without predicates (twenty-third session). d512 (the same session, same call): 2,048-token full
 // prefill 751.7 -> 398.5 us against attn_fused_bf16_d512, 1,024 tokens 207.6 -> 125.1, 507 tokens 63.5 -> 53.0.
+// Twenty-seventh session: next_pass warp-collective and the descriptors stepped by one add (desc_step; the d256
+// tile 4,800 -> 3,592 SASS instructions): d256 2,048 tokens 148.1 -> 131.9 us, 508 25.4 -> 22.1; d512 395.5 -> 385.9,
+// 52.5 -> 50.8. Measured and not kept (BENCHMARKS.md): each compute warpgroup computing S over the whole chunk
+// (no row-max / row-sum exchange, P kept in registers) and a loader that hands stages over with
+// cp.async.mbarrier.arrive.noinc, alone or together: no faster (ncu: the compute warps' per-chunk instruction chain
+// binds, ~750 SASS instructions a warp a chunk, 2 compute warps a scheduler; not the loads, not the exchange).
 //
 // `_slots` forms of both (twenty-fifth session) store the output rows in x16_bf16's slot order for o_proj's `_ss`
 // launch (store_unit_slots), which then needs no x16_bf16 copy of them.

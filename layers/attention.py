@@ -89,7 +89,8 @@ ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA 
 # The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs), by head_dim: D = 256 (the sliding
 # layers) and 512 (the full ones), the same bytes as attn_fused_bf16_d{D}; None: the mma.sync tile everywhere. H200,
 # 2,048-token sliding prefill (graph-replayed): 255.4 -> 207.7 us (2026-11-30); 193.3 us since K and V are handed
-# over apart (nineteenth session); 148.6 us with the loader's block numbers read once a chunk (twenty-third). The d512
+# over apart (nineteenth session); 148.6 us with the loader's block numbers read once a chunk (twenty-third); 131.9 us
+# with next_pass warp-collective (twenty-seventh). The d512
 # tile runs as 2 CTAs a tile (D / ATTN_WG_COLS), each for half the output columns.
 ATTN_FUSED_WG = {256: "attn_fused_wg_bf16_d256", 512: "attn_fused_wg_bf16_d512"}
 ATTN_WG_K_STAGES = {256: 2, 512: 1}   # K stages of that tile by D (WgCfg::WKS in attention_sm90a.cu)
