@@ -540,12 +540,7 @@ W_ENTRY(gelu_fp8_bf16_ws, true, false, false)
 // contiguous bytes); grid (ceil(8 units / block), rows (x16) or ceil(rows / COPY_ROWS) (w16), ..), block <= 512.
 // (The first form numbered the pieces of all rows in one index and divided it by the units, a 64-bit division a
 // thread: H200, 2,048-token prefill, w16_fp8 1.88 ms at 2.56 TB/s and x16_bf16 1.07 ms at 2.78 TB/s over 117
-// launches each.)
-__device__ __forceinline__ int slot_col(int pc) {                           // piece pc of a row: its first column
-    const int t = pc & 7;                                                   // (its second: + 16)
-    return 64 * (pc >> 3) + 32 * (t & 1) + 4 * (t >> 1);
-}
-
+// launches each.) slot_col (slots.cuh): a piece's first column.
 // w16_fp8 takes COPY_ROWS rows a CTA (grid y = ceil(rows / COPY_ROWS)), a thread the same piece of each, all its
 // loads issued before its first store: one row a CTA left a thread 8 bytes in flight (the q+k+v copy, 8,192 x 2,816:
 // 22.47 -> 17.99 us, 3.08 -> 3.85 TB/s, graph-replayed; the smaller copies unchanged; twenty-fourth session).

@@ -9,3 +9,9 @@ __device__ __forceinline__ int slot_pos(int c) {
     const int r = c & 31;
     return (c & ~63) + 8 * (2 * ((r & 15) >> 2) + ((c >> 5) & 1)) + (r & 3) + 4 * (r >> 4);
 }
+// 16-byte piece pc of a slot-ordered row (pc = 8 u + 2 j + h) -> its first column; its second 4 are 16 further on
+// (slot_pos's inverse on the pieces: x16_bf16 and w16_fp8 gather each piece from these two runs of 4 columns)
+__device__ __forceinline__ int slot_col(int pc) {
+    const int t = pc & 7;
+    return 64 * (pc >> 3) + 32 * (t & 1) + 4 * (t >> 1);
+}
