@@ -92,11 +92,14 @@ class DeviceArray:
 
 class Function:
     """A kernel of a loaded module. `max_shared` remembers the dynamic shared-memory limit set so far: without an
-    opt-in, static + dynamic shared memory must fit 48 KiB."""
+    opt-in, static + dynamic shared memory must fit 48 KiB. `max_threads`: the largest CTA its registers allow."""
 
     def __init__(self, handle, name):
-        static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, handle),
+        attr = cu.CUfunction_attribute
+        static = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, handle),
                        f"cuFuncGetAttribute {name} SHARED_SIZE_BYTES")
+        self.max_threads = int(check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle),
+                                     f"cuFuncGetAttribute {name} MAX_THREADS_PER_BLOCK"))
         self.handle, self.name, self.max_shared = handle, name, 48 * 1024 - int(static)
 
 

@@ -3310,11 +3310,14 @@ def test_gpu_post_attn_norms_e_perm(g, T, n):
 
 
 @needs_gpu
-@pytest.mark.parametrize("T,n", [(1, RT_H), (5, RT_H), (64, RT_H), (3, 64), (2, 72), (3, 100), (2, 9000)])
-def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
+@pytest.mark.parametrize("T,n,k", [(1, RT_H, 8), (5, RT_H, 8), (64, RT_H, 8), (3, 64, 8), (2, 72, 8), (3, 100, 8),
+                                   (2, 9000, 8), (20, 4096, 16), (3, 8192, 16)])
+def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n, k):
     """post_attn_norms_gpu / post_ffn_norms_gpu (one launch each; n % 8 != 0 or n > 8192 take the separate
-    launches inside) give the bytes of the rmsnorm_gpu chains they replace, on fresh random rows."""
-    g, rng = g, np.random.default_rng(zlib.crc32(repr((T, n)).encode()))
+    launches inside) give the bytes of the rmsnorm_gpu chains they replace, on fresh random rows. k = 16: the pairs
+    combine's second round of 8 slots; n = 8192 at T <= 16: 1,024 threads a row, more than the `_pre` kernels'
+    registers allow (the plain kernels run)."""
+    g, rng = g, np.random.default_rng(zlib.crc32(repr((T, n, k)).encode()))
     up = lambda a: g.upload(_rt_bf16(a))                                       # noqa: E731
     a, x, m, e = (up(rng.normal(0, sd, (T, n))) for sd in (3.0, 1.5, 0.7, 2.0))
     w = [up(rng.normal(1, 0.4, n)) for _ in range(4)]
@@ -3359,7 +3362,7 @@ def test_gpu_fused_norm_chains_equal_separate_launches(g, T, n):
         else:
             assert np.isnan(g.download(fxn).astype(np.float32)).all()          # untouched without w_next
     # e as the experts' pair rows before their combine (moe.Pairs): the bytes of the combine, then the chain
-    k, E = 8, 16
+    E = 16
     idx = np.stack([rng.permutation(E + 2)[:k] - 1 for _ in range(T)]).astype(np.int32)   # some -1 / E: skipped
     o = up(rng.normal(0, 0.5, (T * k, n)))
     di = g.upload(idx)
@@ -6548,6 +6551,15 @@ def _with_tile(tile, fn):
 _TILES = ('p', 'g128', 'ws', 'ss')
 
 
+class _FakeFunction(str):
+    """A kernel name standing in for gpu.Function: what the launchers ask of one besides the launch."""
+
+    def __new__(cls, name, max_threads=1024):
+        f = super().__new__(cls, name)
+        f.max_threads = max_threads
+        return f
+
+
 class _LaunchLog:
     """A stand-in for gpu.GPU that records what layers.linear launches (module.kernel, grid, dynamic shared memory,
     declared FLOPs): the prefill tile choice, checked without a device."""
@@ -6557,7 +6569,8 @@ class _LaunchLog:
         self.pdl = []
 
     def module(self, name):
-        return types.SimpleNamespace(function=lambda f: f'{name}.{f}')
+        limit = getattr(self, "max_threads", 1024)
+        return types.SimpleNamespace(function=lambda f: _FakeFunction(f'{name}.{f}', limit))
 
     def view(self, a, offset_bytes, shape, dtype):
         return types.SimpleNamespace(ptr=a.ptr + offset_bytes, shape=shape, dtype=dtype)
@@ -6586,6 +6599,15 @@ def test_norms_pdl_plan():
         sfx = "_pre_bf16" if pre else "_bf16"
         assert [f for f, *_ in lg.launches] == ["elementwise.post_attn_norms" + sfx, "elementwise.post_ffn_norms" + sfx]
         assert lg.pdl == [pre] * 2, (T, lg.pdl)
+    # a `_pre` kernel whose registers do not allow the row's CTA (n = 8192: 1,024 threads) gives way to the plain one
+    for limit, sfx in ((1024, "_pre_bf16"), (512, "_bf16")):
+        lg = _LaunchLog()
+        lg.max_threads = limit
+        v = [arr(1, 8192) for _ in range(6)]
+        N.post_attn_norms_gpu(lg, v[0], v[1], arr(8192), arr(8192), arr(8192), v[2], v[3], v[4], 1e-6)
+        N.post_ffn_norms_gpu(lg, v[0], v[1], v[2], arr(8192), arr(8192), arr(8192), 0.5, v[3], 1e-6)
+        assert [f for f, *_ in lg.launches] == ["elementwise.post_attn_norms" + sfx, "elementwise.post_ffn_norms" + sfx]
+        assert lg.blocks == [(1024,)] * 2 and lg.pdl == [sfx == "_pre_bf16"] * 2
 
 
 def _fake_linear(fmt, n, k):

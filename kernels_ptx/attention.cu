@@ -65,7 +65,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 //     the values a lane holds by sending the half its partner keeps (9 shuffles a group instead of warp_sum's 5 for
 //     each j). D <= 512. (Twelfth session: at 2,048 tokens 1,464 us against the per-head shape's 2,525; sixteenth:
 //     a head through a warp's shared-memory row, one head a warp, 31.7 us sliding, 37.1 full; twenty-fifth, this
-//     form: 28.4 / 37.1 us; BENCHMARKS.md.)
+//     form: 28.4 / 37.1 us; twenty-eighth, its shared weights and angles in qk_lane_pos order: 26.3 / 33.4;
+//     BENCHMARKS.md.)
 //     Needs 16-byte aligned head rows (row strides and pointers: the launcher checks, else the per-head kernel).
 // ---------------------------------------------------------------------------------------------------------
 #define QK_PARAMS                                                                                             \
@@ -191,14 +192,21 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
     }
 }
 
+// Where column j (< D/2) of a half (q_w's, k_w's, cos, sin) lies in shared memory: lane a reads columns 8a .. 8a + 7
+// as 4 float2 (pairs k = 0..3), so float2 k of lane a sits at k L + a (L = D/16 lanes a head): the lanes of one load
+// read consecutive float2, no bank conflict (at 8a + 2k, 32 bytes apart, ncu counted 76% of the shared wavefronts
+// excess; 2,048 tokens, H200, same bytes: sliding 28.65 -> 26.26 us, full 38.03 -> 33.41).
+__device__ __forceinline__ int qk_lane_pos(int j, int L) { return 2 * (((j & 7) >> 1) * L + (j >> 3)) + (j & 1); }
+
 extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 4) qk_norm_rope_rows_bf16(QK_PARAMS) {
-    __shared__ __align__(16) float cs[512];          // cos of the D/2 angles, then their sin
-    __shared__ __align__(16) float wqk[1024];        // q_w, then k_w (fp32)
+    __shared__ __align__(16) float cs[512];          // cos of the D/2 angles, then their sin (qk_lane_pos order)
+    __shared__ __align__(16) float wqk[1024];        // q_w, then k_w (fp32; each half in qk_lane_pos order)
     const int t = blockIdx.x, half = D >> 1, L = D >> 4, nj = D >> 6, hpw = 32 / L;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, hl = lane / L, a = lane - hl * L;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {     // weights: nothing earlier kernels write
-        wqk[i] = __bfloat162float(q_w[i]);
-        wqk[D + i] = __bfloat162float(k_w[i]);
+        const int at = (i >= half ? half : 0) + qk_lane_pos(i >= half ? i - half : i, L);
+        wqk[at] = __bfloat162float(q_w[i]);
+        wqk[D + at] = __bfloat162float(k_w[i]);
     }
     const int H = Hq + 2 * Hkv, step = QK_WARPS * gridDim.y;
     int ws = blockIdx.y * QK_WARPS + warp;           // the warp's slot: heads hpw ws .. hpw ws + hpw - 1
@@ -219,8 +227,8 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 4) qk_norm_rope_rows
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
-        cs[i] = c;
-        cs[half + i] = s;
+        cs[qk_lane_pos(i, L)] = c;
+        cs[half + qk_lane_pos(i, L)] = s;
     }
     __syncthreads();
     while (ws * hpw < H) {                           // warp-uniform: the shuffles below need every lane
@@ -241,17 +249,18 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 4) qk_norm_rope_rows
         for (int j = 0; j < nj; j++) tot = __fadd_rn(tot, __shfl_sync(0xffffffffu, sj, hl * L + 4 * j));
         if (!on) continue;
         const float r = __frsqrt_rn(__fadd_rn(__fdiv_rn(tot, (float)D), eps));
-        const float* w = wqk + (cur.w > 0 ? D : 0) + 8 * a;   // (unread for v heads: cur.w < 0)
-        const float* c = cs + 8 * a;
+        const float2* w = reinterpret_cast<const float2*>(wqk + (cur.w > 0 ? D : 0)) + a;   // (unread for v heads)
+        const float2* c = reinterpret_cast<const float2*>(cs) + a;
+        const int hp = half >> 1;                    // float2s a half
         uint32_t oa[4], ob[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {                // pairs 8a + 2k, + 1
+        for (int k = 0; k < 4; k++) {                // pairs 8a + 2k, + 1 (qk_lane_pos: float2 k L + a of a half)
             float2 wa = make_float2(0.f, 0.f), wb = wa, ck = wa, sk = wa;
             if (cur.w >= 0) {
-                wa = reinterpret_cast<const float2*>(w)[k];
-                wb = reinterpret_cast<const float2*>(w + half)[k];
-                ck = reinterpret_cast<const float2*>(c)[k];
-                sk = reinterpret_cast<const float2*>(c + half)[k];
+                wa = w[k * L];
+                wb = w[hp + k * L];
+                ck = c[k * L];
+                sk = c[hp + k * L];
             }
             __nv_bfloat16 a0, b0, a1, b1;
             qk_pair(cur.w, xa[2 * k], xb[2 * k], r, wa.x, wb.x, ck.x, sk.x, a0, b0);

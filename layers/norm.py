@@ -66,6 +66,17 @@ def _fused_tpr(x):
 NORMS_PRE_MAX_T = 16
 
 
+def _norms_kernel(g, name, T, tpr):
+    """(function, pre): the `_pre` form of chain `name` up to NORMS_PRE_MAX_T rows when its registers allow a CTA
+    of tpr threads (71-96 a thread: not the 1,024 threads of n > 4096), else the plain form (a third of them)."""
+    m = g.module("elementwise")
+    if T <= NORMS_PRE_MAX_T:
+        f = m.function(name + "_pre_bf16")
+        if tpr <= f.max_threads:
+            return f, True
+    return m.function(name + "_bf16"), False
+
+
 def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=None, xn_slots=False, e_perm=False):
     """After o_proj, in one launch: h = x + norm(a) * w_pa; xn = norm(h) * w_pf; e_in = norm(h) * w_pf2
     (all (T, n) bf16): the bytes of rmsnorm_gpu(a, w_pa, h, add=x), rmsnorm_gpu(h, w_pf, xn),
@@ -86,10 +97,9 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
             router_input_gpu(g, h, router[1], router[0], eps, router[2])
         return False, False
     r, scale, root = router if router else (None, None, 1.0)
-    pre = T <= NORMS_PRE_MAX_T
+    f, pre = _norms_kernel(g, "post_attn_norms", T, tpr)
     slots, perm = bool(xn_slots) and n % 64 == 0, bool(e_perm) and n % 128 == 0
-    g.launch(g.module("elementwise").function("post_attn_norms_pre_bf16" if pre else "post_attn_norms_bf16"),
-             grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
+    g.launch(f, grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
                                             float(root), int(slots), int(perm)], pdl=pre)
     return slots, perm
 
@@ -131,14 +141,14 @@ def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=No
             rmsnorm_gpu(g, x, w_next, xn, eps)
         return False
     xn_arg = xn if w_next is not None else None
-    pre = T <= NORMS_PRE_MAX_T
-    sfx = "_pre_bf16" if pre else "_bf16"
     slots = bool(xn_slots) and w_next is not None and n % 64 == 0
     if pairs is not None:
-        g.launch(g.module("elementwise").function("post_ffn_norms_pairs" + sfx), grid=(T,), block=(tpr,),
+        f, pre = _norms_kernel(g, "post_ffn_norms_pairs", T, tpr)
+        g.launch(f, grid=(T,), block=(tpr,),
                  args=[x, xn_arg, m, pairs.o, pairs.idx, pairs.k, pairs.E, h, w1, w2, w3, w_next, n, float(eps),
                        float(scale), int(slots)], pdl=pre)
         return slots
-    g.launch(g.module("elementwise").function("post_ffn_norms" + sfx), grid=(T,), block=(tpr,),
+    f, pre = _norms_kernel(g, "post_ffn_norms", T, tpr)
+    g.launch(f, grid=(T,), block=(tpr,),
              args=[x, xn_arg, m, e, h, w1, w2, w3, w_next, n, float(eps), float(scale), int(slots)], pdl=pre)
     return slots
