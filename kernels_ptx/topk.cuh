@@ -32,7 +32,8 @@ __device__ __forceinline__ int order_key(float v) {
 __device__ __forceinline__ float key_float(int k) { return __int_as_float(k ^ ((k >> 31) & 0x7fffffff)); }
 // NE experts a lane (E <= 32 NE): the selection loops run over the lane's NE values only (every slot past E holds
 // -inf / an absent p in either form, so NE = 4 for E <= 128 picks exactly what NE = TOPK_MAXE does, in half the
-// instructions; a token's top-k is a serial chain of ~500 instructions in one warp).
+// instructions; a token's top-k is a serial chain of ~500 instructions in one warp). The sum of the chosen p is
+// taken round by round (the same adds, in the same order, as summing them after the last round).
 template <int NE>
 __device__ void topk_token(const float* lg, const float* __restrict__ pes, float* weights, int* idx, int E, int k) {
     const int lane = threadIdx.x & 31;
@@ -55,34 +56,29 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
     s = topk_warp_sum(s);
 #pragma unroll
     for (int i = 0; i < NE; ++i) v[i] = lane + 32 * i < E ? v[i] / s : -1.f;   // p; -1 = absent / taken
-    float topv[TOPK_MAXK], myv = 0.f, myp = 0.f;                 // lane j keeps round j's p, pes and expert
+    float sum = 0.f, myv = 0.f, myp = 0.f;                   // lane j keeps round j's p, pes and expert
     int myi = 0;
+#pragma unroll 1
+    for (int j = 0; j < k && j < TOPK_MAXK; ++j) {             // rolled: see topk_tokens
+        float bv = -2.f; int bi = 0x7fffffff;                 // lane's best: largest p, lowest index on ties
 #pragma unroll
-    for (int j = 0; j < TOPK_MAXK; ++j) {
-        topv[j] = 0.f;
-        if (j < k) {
-            float bv = -2.f; int bi = 0x7fffffff;             // lane's best: largest p, lowest index on ties
+        for (int i = 0; i < NE; ++i)
+            if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
+        const int kmax = __reduce_max_sync(0xffffffffu, order_key(bv));
+        const int wi = __reduce_min_sync(0xffffffffu, order_key(bv) == kmax ? bi : 0x7fffffff);
+        const int slot = (unsigned)wi >> 5;                   // warp-uniform
+        float pl = 0.f;
 #pragma unroll
-            for (int i = 0; i < NE; ++i)
-                if (v[i] > bv) { bv = v[i]; bi = lane + 32 * i; }
-            const int kmax = __reduce_max_sync(0xffffffffu, order_key(bv));
-            const int wi = __reduce_min_sync(0xffffffffu, order_key(bv) == kmax ? bi : 0x7fffffff);
-            const int slot = (unsigned)wi >> 5;               // warp-uniform
-            float pl = 0.f;
+        for (int i = 0; i < NE; ++i)
+            if (i == slot) pl = pw[i];
+        const float tv = key_float(kmax);                     // warp-uniform
+        pl = __shfl_sync(0xffffffffu, pl, wi & 31);
+        if (lane == j) { myv = tv; myp = pl; myi = wi; }
+        sum += tv;                                            // every lane: the same sum, slot order
 #pragma unroll
-            for (int i = 0; i < NE; ++i)
-                if (i == slot) pl = pw[i];
-            topv[j] = key_float(kmax);                        // warp-uniform
-            pl = __shfl_sync(0xffffffffu, pl, wi & 31);
-            if (lane == j) { myv = topv[j]; myp = pl; myi = wi; }
-#pragma unroll
-            for (int i = 0; i < NE; ++i)
-                if (lane + 32 * i == wi) v[i] = -1.f;
-        }
+        for (int i = 0; i < NE; ++i)
+            if (lane + 32 * i == wi) v[i] = -1.f;
     }
-    float sum = 0.f;                                       // every lane: the same sum, slot order
-#pragma unroll
-    for (int j = 0; j < TOPK_MAXK; ++j) if (j < k) sum += topv[j];
     if (lane < k) {
         weights[lane] = (myv / sum) * myp;
         idx[lane] = myi;
@@ -91,9 +87,12 @@ __device__ void topk_token(const float* lg, const float* __restrict__ pes, float
 
 // topk_token for J tokens of a warp at once (t[j], -1 = none: computed on -inf, nothing read or written), each
 // token's arithmetic topk_token's step for step: one token's top-k is a serial chain of shuffles and warp
-// reductions, so J chains interleaved take little longer than one (router_bf16_s, 4 tokens a warp: 24.0 -> 21.0 us
-// at 2,048 tokens, H200). The one-token kernels keep topk_token: this form with J = 1 took their launch at 1 token
-// from 5.9 to 7.9 us (same bytes; not understood). test_gpu_router_bits holds both to the same bytes.
+// reductions, so J chains interleaved take little longer than one. The one-token kernels keep topk_token (this form
+// with J = 1 and its rounds unrolled took their launch at 1 token from 5.9 to 7.9 us, alone; not understood).
+// test_gpu_router_bits holds both to the same bytes. Both roll the round loop: unrolled (16 rounds), router_bf16_s
+// with J = 4 ran 24.0 -> 21.0 us alone at 2,048 tokens but 854 -> 1,007 us over the 29 launches of a 2,048-token
+// prefill in the model; rolled, 823 us there, and the decode router at batch 1 310 -> 297 us a step (H200,
+// twenty-eighth session, dev A/B in the model, medians of 3 rounds; BENCHMARKS.md).
 template <int NE, int J>
 __device__ __forceinline__ void topk_tokens(const float* logits, const float* __restrict__ pes, float* weights,
                                             int* idx, const int (&t)[J], int E, int k) {
@@ -139,9 +138,8 @@ __device__ __forceinline__ void topk_tokens(const float* logits, const float* __
         sum[j] = myv[j] = myp[j] = 0.f;
         myi[j] = 0;
     }
-#pragma unroll
-    for (int r = 0; r < TOPK_MAXK; ++r) {
-        if (r >= k) break;
+#pragma unroll 1
+    for (int r = 0; r < k && r < TOPK_MAXK; ++r) {
         float bv[J];
         int bi[J], kmax[J], wi[J];
 #pragma unroll
