@@ -868,7 +868,7 @@ DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, t
     extern "C" __global__ void __launch_bounds__(SLICES * 32, MINB) name(ROUTER_PARAMS) {                    \
         const Proj p = {W, nullptr, 0, logits, E};                                                           \
         dec_body<FMT_BF16, NT, true, false, R, true>(X, T, K, p, p, p, p);                                   \
-        arrive_then_topk<1>(counters, logits, pes, weights, idx, blockIdx.y * 8 * NT, 8 * NT, T, E, k);         \
+        arrive_then_topk<1>(counters, logits, pes, weights, idx, blockIdx.y * 8 * NT, 8 * NT, T, E, k);      \
     }
 ROUTER_DEC(router_bf16_t8, 1, 3, 2)
 ROUTER_DEC(router_bf16_t16, 2, 2, 2)

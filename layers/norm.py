@@ -100,7 +100,7 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
     f, pre = _norms_kernel(g, "post_attn_norms", T, tpr)
     slots, perm = bool(xn_slots) and n % 64 == 0, bool(e_perm) and n % 128 == 0
     g.launch(f, grid=(T,), block=(tpr,), args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, n, float(eps), r, scale,
-                                            float(root), int(slots), int(perm)], pdl=pre)
+                                               float(root), int(slots), int(perm)], pdl=pre)
     return slots, perm
 
 
