@@ -326,13 +326,12 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None, x_perm=Fals
     """The expert launches of one call as [(name, thunk)] (moe_gpu runs them in order; the timing test captures
     them one by one)."""
     H, I = ex["H"], ex["I"]
-    direct_fits = max(_direct_shared(H, I, k)) <= _DIRECT_SMEM
     if path is None:
         path = _auto_path(g, T, H, I, k)
     if x_perm and (path != "wgmma" or H % 128):
         raise AssertionError(f"moe: a permuted x needs the wgmma path and H % 128 == 0 (path {path}, H={H})")
     if path == "direct":
-        if not direct_fits:
+        if max(_direct_shared(H, I, k)) > _DIRECT_SMEM:      # a forced path: the auto one only picks it if it fits
             raise ValueError(f"moe_gpu: direct path needs 2*H + 128*ceil(H/128) and 2*k*I + 64*k*ceil(I/128) <= "
                              f"{_DIRECT_SMEM} (H={H}, k={k}, I={I})")
         return _experts_direct(g, x, weights, idx, ex, out, ws, T, k)
