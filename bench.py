@@ -282,8 +282,9 @@ def model_figures(ckpt_dir, profile=True, log=print):
         g = m.g
         bw = copy_bandwidth(g)
         rng = np.random.default_rng(0)
-        r = {"weights_gib": round(m.weight_bytes / 2 ** 30, 3), "load_model_s": round(load_s, 1),
-             "copy_gbs": round(bw, 0)}
+        r = {"weights_gib": round(m.weight_bytes / 2 ** 30, 3),       # incl. the prefill's kept bf16 copies:
+             "w16_kept_gib": round(getattr(m, "w16_kept", 0) / 2 ** 30, 3),   # model_gpu.W16_KEEP_BYTES
+             "load_model_s": round(load_s, 1), "copy_gbs": round(bw, 0)}
         for b in (1, 16, 64):
             dt = time_steps(m, b, 1024, 12, rng)
             r[f"decode_b{b}"] = round(b / dt, 1)

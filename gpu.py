@@ -217,6 +217,7 @@ class GPU:
                               "cuDeviceGetAttribute")
         self._modules = {}                 # name -> Module (cache)
         self.scratch = {}                  # name -> DeviceArray: buffers kernels' launchers share (layers.linear w16)
+        self.w16_cache = {}                # FP8 weights' address -> their kept bf16 copy (layers.linear cache_w16)
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
         self.launch_hook = None            # called after each launch (profiling), see launch()
@@ -254,6 +255,9 @@ class GPU:
     def free(self, a):
         if a.base is not None:
             raise ValueError("free of a view: free its base")
+        copy = self.w16_cache.pop(a.ptr, None)             # FP8 weights' kept bf16 copy goes with them
+        if copy is not None:
+            self.free(copy)
         if a.ptr in self._live:
             check(cu.cuMemFree(a.ptr), "cuMemFree")
             del self._live[a.ptr]
@@ -444,6 +448,7 @@ class GPU:
             check(cu.cuMemFree(p), "cuMemFree")
         self._live.clear()
         self.scratch.clear()
+        self.w16_cache.clear()
         for m in self._modules.values():
             check(cu.cuModuleUnload(m.handle), "cuModuleUnload")
         self._modules.clear()

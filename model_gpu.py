@@ -47,6 +47,11 @@ ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs 
 MAX_KEYS_OUT = 26              # option keys A..Z
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
+# Bytes of bf16 weight copies kept for the `_ss` prefill launches (layers.linear cache_w16: whole launches, the
+# o_proj ones first, then q+k+v, layer by layer), so that those launches make no copy of their own. They count as
+# weight memory (the full-size model: 14.94 GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0:
+# none kept.
+W16_KEEP_BYTES = 1 << 30
 
 
 class GpuModel(StepTools):
@@ -84,6 +89,10 @@ class GpuModel(StepTools):
             w["layer_scalar"] = float(ck.tensor(f"{q}layer_scalar", (1,))[0])
             w["experts"] = upload_experts(g, ck, q, t.experts, H, t.expert_intermediate)
             self.layers.append(w)
+        self.w16_kept = 0
+        if linear.W16_MIN_T is not None and max_rows >= linear.W16_MIN_T:   # long prompts run `_ss`: keep copies
+            self.w16_kept = linear.cache_w16(g, [[w["self_attn.o_proj"]] for w in self.layers] + [
+                self._qkv(i) for i in range(len(self.layers))], W16_KEEP_BYTES)
         self.weight_bytes = g.allocated_bytes
         # per layer: K and V pools (blocks, 16, Hkv, D) bf16. With graphs the last block is the decode pad rows'
         # scratch block: the users (scheduler) see num_blocks = one fewer.

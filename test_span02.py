@@ -6752,6 +6752,44 @@ def test_mlp_slots_plan():
     assert names == ['w16_fp8', 'gemm_fp8_bf16_ss'] and g.args[1][0].ptr == 1024, (names, g.args[1][:3])
 
 
+def test_linear_kept_w16_copies():
+    """layers.linear (no device): a `_ss` launch reads the bf16 copies cache_w16 kept (g.w16_cache, by the FP8 weights'
+    address) for the projections that have one; w16_fp8 copies only the others, from the scratch's start (grid z =
+    their count), and does not run when every projection has one; the scratch need only hold the copies made."""
+    H = 2816
+    bf = lambda *shape: types.SimpleNamespace(shape=shape, dtype=lin_mod.BF16, ptr=1024)
+    qkv = [lin_mod.GpuLinear('fp8_channel', n, H, types.SimpleNamespace(nbytes=n * H, ptr=4096 * (i + 1)),
+                             types.SimpleNamespace(ptr=512)) for i, n in enumerate((4096, 2048, 2048))]
+    kept = {1: types.SimpleNamespace(ptr=1 << 36), 2: types.SimpleNamespace(ptr=1 << 37)}
+    for keep, wbytes, want in (((1,), 6144 * H * 2, ['x16_bf16', 'w16_fp8', 'gemm_fp8_bf16_ss']),
+                               ((1, 2), 4096 * H * 2, ['x16_bf16', 'w16_fp8', 'gemm_fp8_bf16_ss']),
+                               ((0, 1, 2), 0, ['x16_bf16', 'gemm_fp8_bf16_ss']),
+                               ((1,), 6144 * H * 2 - 2, ['gemm_fp8_bf16_ws'])):
+        g = _LaunchLog()
+        g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=wbytes),
+                     'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=2048 * H * 2)}
+        g.w16_cache = {qkv[i].w.ptr: kept.get(i, types.SimpleNamespace(ptr=1 << 38)) for i in keep}
+        lin_mod.linear_multi_gpu(g, bf(2048, H), qkv, [bf(2048, w.N) for w in qkv])
+        names = [f.split('.')[1] for f, *_ in g.launches]
+        assert names == want, (keep, names)
+        if want[-1].endswith('_ws'):
+            continue
+        made = [i for i in range(3) if i not in keep]
+        ss = g.args[-1]
+        copies = [a.ptr for a in ss[3:3 + 5 * 3:5]]
+        off = 1 << 20
+        for i, w in enumerate(qkv):                          # kept copies, or the made ones side by side in w16
+            if i in keep:
+                assert copies[i] == g.w16_cache[w.w.ptr].ptr, (keep, copies)
+            else:
+                assert copies[i] == off, (keep, copies)
+                off += w.N * H * 2
+        if made:
+            conv = g.args[1]
+            assert g.launches[1][1][2] == len(made) and [conv[1 + 3 * j] for j in range(len(made))] == [
+                qkv[i].w for i in made], (keep, conv)
+
+
 @needs_gpu
 @pytest.mark.parametrize('fmt', ('fp8_channel', 'fp8_tensor', 'bf16'))
 def test_gpu_linear_prefill_tiles(lin_g, fmt):
@@ -6760,7 +6798,7 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
     `_ss`),
     at T = 1100 and 130, for K with 44 / 11 / 4 (partial) / 1 units (K < 512 leaves slices empty) and N off the
     128-row tile. `ws7` runs `_ws` on 7 CTAs (as if the GPU had 7 SMs), so that each CTA runs many tiles and its
-    stage ring wraps across them."""
+    stage ring wraps across them; `ssk` runs `_ss` from the bf16 copies cache_w16 keeps (no w16_fp8 launch)."""
     g, rng = lin_g, np.random.default_rng(31)
     for (n, k), n2 in (((2112, 2816), 1024), ((1000, 704), 17), ((300, 208), 130), ((17, 48), 5)):
         (ra, _), (rb, _), (rc, _) = _lin_raw(rng, fmt, n, k), _lin_raw(rng, fmt, n2, k), _lin_raw(rng, fmt, n, k)
@@ -6769,15 +6807,20 @@ def test_gpu_linear_prefill_tiles(lin_g, fmt):
             x = (rng.standard_normal((t, k), np.float32) * 2).astype(BF16)
             xd = g.upload(x)
             outs = {}
-            for tile in _TILES + ('ws7',):
+            for tile in _TILES + ('ws7', 'ssk'):
                 run = lambda: (_lin_run(g, x, a), _multi(g, xd, [a, b]), _gelu_fused(g, xd, a, c),
                                _lin_run(g, x, a, np.float32) if fmt == 'bf16' else None)
                 sms = g.sm_count
                 g.sm_count = 7 if tile == 'ws7' else sms
+                if tile == 'ssk':                            # `_ss` from copies kept by cache_w16 (FP8 only)
+                    lin_mod.cache_w16(g, [[a], [b], [c]], 1 << 40)
                 try:
-                    outs[tile] = _with_tile(tile.rstrip('7'), run)
+                    outs[tile] = _with_tile(tile[:2] if tile in ('ws7', 'ssk') else tile, run)
                 finally:
                     g.sm_count = sms
+                    for w in (a, b, c):
+                        if w.w.ptr in g.w16_cache:
+                            g.free(g.w16_cache.pop(w.w.ptr))
             rows = np.sort(rng.choice(t, 64, replace=False))
             xs = g.upload(x[rows])
             dec = (_lin_run(g, x[rows], a), _multi(g, xs, [a, b]), _gelu_fused(g, xs, a, c),

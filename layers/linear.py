@@ -138,13 +138,54 @@ def reserve_w16(g, launches, rows):
             g.scratch[name] = g.empty((nbytes,), np.uint8)
 
 
+def cache_w16(g, launches, budget):
+    """Keep the bf16 copies of whole `_ss` launches' weights on the device (g.w16_cache, by the FP8 weights'
+    address), made once here by w16_fp8 (the same bytes it writes for a launch): those launches then skip their
+    w16_fp8 copy, 3 bytes moved a weight. (H200, 2026-12-01, the full-size model with 0.967 GiB kept, every o_proj
+    and 5 layers' q+k+v: w16_fp8 1,600 -> 1,112 us over a 2,048-token prefill's kernels, the eager step 42.32 ->
+    41.96 ms wall, medians of 9 alternating steps; BENCHMARKS.md thirtieth session.) launches: lists of GpuLinears of one launch (FP8 tensor / channel), taken in order while the copies fit in
+    `budget` bytes (they count as weight memory). Used only where `_ss` runs (sm_90, reserve_w16's scratch). Returns
+    the bytes taken."""
+    if g.capability != (9, 0):
+        return 0
+    used = 0
+    for ws in launches:
+        need = w16_bytes(ws)
+        if not ws or used + need > budget or any(w.format not in ('fp8_tensor', 'fp8_channel') for w in ws):
+            continue
+        copies = [g.empty((w.N, _kp(w.K)), BF16) for w in ws]
+        _w16_launch(g, ws[0].K, [(w.w, y, w.N) for w, y in zip(ws, copies)])
+        for w, y in zip(ws, copies):
+            g.w16_cache[w.w.ptr] = y
+        used += need
+    g.sync()
+    return used
+
+
+def _w16_launch(g, k, copies):
+    """w16_fp8 over [(FP8 weights, bf16 copy (N, Kp), N)], at most 4."""
+    units = _kp(k) // 64
+    block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
+    args = [k] + [a for c in copies for a in c] + [None, None, 0] * (4 - len(copies))
+    g.launch(g.module('linear_sm90a').function('w16_fp8'),
+             grid=(-(-8 * units // block), -(-max(n for *_, n in copies) // COPY_ROWS), len(copies)),
+             block=(block, 1, 1), args=args, nbytes=sum(3 * n * units * 64 for *_, n in copies), pdl=True)
+
+
+def _cached(g, w_ptr):
+    """The kept bf16 copy of these FP8 weights (cache_w16), or None."""
+    cache = getattr(g, 'w16_cache', None)
+    return cache.get(w_ptr.ptr) if cache and w_ptr is not None else None
+
+
 def _ss_ok(g, t, k, projs, x_slots=False):
-    """Whether g's scratch holds a `_ss` launch's copies: 'w16' the weights', 'x16' X's (not needed when X comes in
-    the slot order already: x_slots); grid y (rows) at most 65535. Otherwise `_ws` runs."""
+    """Whether g's scratch holds a `_ss` launch's copies: 'w16' the weights' (those not kept by cache_w16), 'x16'
+    X's (not needed when X comes in the slot order already: x_slots); grid y (rows) at most 65535. Otherwise `_ws`
+    runs."""
     kp = _kp(k)
     scratch = getattr(g, 'scratch', {})
     wbuf, xbuf = scratch.get('w16'), scratch.get('x16')
-    if wbuf is None or wbuf.nbytes < sum(n * kp * 2 for *_, n in projs):
+    if wbuf is None or wbuf.nbytes < sum(n * kp * 2 for w_ptr, *_, n in projs if _cached(g, w_ptr) is None):
         return False
     if not x_slots and (xbuf is None or xbuf.nbytes < t * kp * 2):
         return False
@@ -152,32 +193,31 @@ def _ss_ok(g, t, k, projs, x_slots=False):
 
 
 def _ss_copies(g, x, projs, x_slots=False):
-    """x16_bf16 (unless x_slots: x is the slot-ordered copy already) and w16_fp8 of a launch into g's scratch ->
-    (X's copy, projs with W = their copies). One pair of buffers a GPU: `_ss` launches must not run on two streams
+    """x16_bf16 (unless x_slots: x is the slot-ordered copy already) and w16_fp8 (of the projections without a copy
+    kept by cache_w16) of a launch into g's scratch -> (X's copy, projs with W = their copies). One pair of buffers a GPU: `_ss` launches must not run on two streams
     at once (the model's: the main stream's, and the dense MLP's on the branch while the main stream runs only the
     router and the experts)."""
     t, k = x.shape
     kp = _kp(k)
     wbuf, xbuf = g.scratch['w16'], g.scratch.get('x16')
-    sizes = [n * kp * 2 for *_, n in projs]
-    mod, units = g.module('linear_sm90a'), kp // 64
+    units = kp // 64
     block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
-    gx = -(-8 * units // block)
     if x_slots:
         x16 = x
     else:
         x16 = g.view(xbuf, 0, (t, kp), BF16)
-        g.launch(mod.function('x16_bf16'), grid=(gx, t, 1), block=(block, 1, 1), args=[x, x16, t, k],
-                 nbytes=2 * t * (k + kp), pdl=True)
-    args, out, off = [k], [], 0
-    for (w_ptr, s, s_arg, o, n), size in zip(projs, sizes):
-        y = g.view(wbuf, off, (n, kp), BF16)
-        args += [w_ptr, y, n]
+        g.launch(g.module('linear_sm90a').function('x16_bf16'), grid=(-(-8 * units // block), t, 1),
+                 block=(block, 1, 1), args=[x, x16, t, k], nbytes=2 * t * (k + kp), pdl=True)
+    copies, out, off = [], [], 0
+    for w_ptr, s, s_arg, o, n in projs:
+        y = _cached(g, w_ptr)
+        if y is None:                                        # copied into the scratch by this launch's w16_fp8
+            y = g.view(wbuf, off, (n, kp), BF16)
+            copies.append((w_ptr, y, n))
+            off += n * kp * 2
         out.append((y, s, s_arg, o, n))
-        off += size
-    args += [None, None, 0] * (4 - len(projs))
-    g.launch(mod.function('w16_fp8'), grid=(gx, -(-max(n for *_, n in projs) // COPY_ROWS), len(projs)),
-             block=(block, 1, 1), args=args, nbytes=sum(size * 3 // 2 for size in sizes), pdl=True)
+    if copies:
+        _w16_launch(g, k, copies)
     return x16, out
 
 
