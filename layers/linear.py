@@ -143,9 +143,9 @@ def cache_w16(g, launches, budget):
     address), made once here by w16_fp8 (the same bytes it writes for a launch): those launches then skip their
     w16_fp8 copy, 3 bytes moved a weight. (H200, 2026-12-01, the full-size model with 0.967 GiB kept, every o_proj
     and 5 layers' q+k+v: w16_fp8 1,600 -> 1,112 us over a 2,048-token prefill's kernels, the eager step 42.32 ->
-    41.96 ms wall, medians of 9 alternating steps; BENCHMARKS.md thirtieth session.) launches: lists of GpuLinears of one launch (FP8 tensor / channel), taken in order while the copies fit in
-    `budget` bytes (they count as weight memory). Used only where `_ss` runs (sm_90, reserve_w16's scratch). Returns
-    the bytes taken."""
+    41.96 ms wall, medians of 9 alternating steps; BENCHMARKS.md thirtieth session.) launches: lists of GpuLinears
+    of one launch (FP8 tensor / channel), each kept, in order, if its copies still fit in `budget` bytes (they
+    count as weight memory). Used only where `_ss` runs (sm_90, reserve_w16's scratch). Returns the bytes taken."""
     if g.capability != (9, 0):
         return 0
     used = 0
@@ -162,14 +162,22 @@ def cache_w16(g, launches, budget):
     return used
 
 
+def _copy_block(kp):
+    """Block and grid x of the copy kernels (x16_bf16, w16_fp8) for rows of kp columns: a row's 8 pieces a 64-column
+    unit, in whole warps up to W16_THREADS."""
+    pieces = 8 * (kp // 64)
+    block = min(W16_THREADS, -(-pieces // 32) * 32)
+    return block, -(-pieces // block)
+
+
 def _w16_launch(g, k, copies):
     """w16_fp8 over [(FP8 weights, bf16 copy (N, Kp), N)], at most 4."""
-    units = _kp(k) // 64
-    block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
+    kp = _kp(k)
+    block, gx = _copy_block(kp)
     args = [k] + [a for c in copies for a in c] + [None, None, 0] * (4 - len(copies))
     g.launch(g.module('linear_sm90a').function('w16_fp8'),
-             grid=(-(-8 * units // block), -(-max(n for *_, n in copies) // COPY_ROWS), len(copies)),
-             block=(block, 1, 1), args=args, nbytes=sum(3 * n * units * 64 for *_, n in copies), pdl=True)
+             grid=(gx, -(-max(n for *_, n in copies) // COPY_ROWS), len(copies)), block=(block, 1, 1), args=args,
+             nbytes=sum(3 * n * kp for *_, n in copies), pdl=True)
 
 
 def _cached(g, w_ptr):
@@ -194,20 +202,19 @@ def _ss_ok(g, t, k, projs, x_slots=False):
 
 def _ss_copies(g, x, projs, x_slots=False):
     """x16_bf16 (unless x_slots: x is the slot-ordered copy already) and w16_fp8 (of the projections without a copy
-    kept by cache_w16) of a launch into g's scratch -> (X's copy, projs with W = their copies). One pair of buffers a GPU: `_ss` launches must not run on two streams
-    at once (the model's: the main stream's, and the dense MLP's on the branch while the main stream runs only the
-    router and the experts)."""
+    kept by cache_w16) of a launch into g's scratch -> (X's copy, projs with W = their copies). One pair of buffers
+    a GPU: `_ss` launches must not run on two streams at once (the model's: the main stream's, and the dense MLP's
+    on the branch while the main stream runs only the router and the experts)."""
     t, k = x.shape
     kp = _kp(k)
     wbuf, xbuf = g.scratch['w16'], g.scratch.get('x16')
-    units = kp // 64
-    block = min(W16_THREADS, -(-8 * units // 32) * 32)  # a row's 8 pieces a unit, in whole warps
     if x_slots:
         x16 = x
     else:
         x16 = g.view(xbuf, 0, (t, kp), BF16)
-        g.launch(g.module('linear_sm90a').function('x16_bf16'), grid=(-(-8 * units // block), t, 1),
-                 block=(block, 1, 1), args=[x, x16, t, k], nbytes=2 * t * (k + kp), pdl=True)
+        block, gx = _copy_block(kp)
+        g.launch(g.module('linear_sm90a').function('x16_bf16'), grid=(gx, t, 1), block=(block, 1, 1),
+                 args=[x, x16, t, k], nbytes=2 * t * (k + kp), pdl=True)
     copies, out, off = [], [], 0
     for w_ptr, s, s_arg, o, n in projs:
         y = _cached(g, w_ptr)
