@@ -5,7 +5,8 @@
                                                  write it (if DIR has none), then measure, part by part:
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
-   eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k, weights_gib, load_model_s (model
+   eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k (and prefill_2k_sustained: see
+   time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16 copies), load_model_s (model
    construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, five
    decisions through one engine without HTTP (readout_ms_engine: their median, and each; decision_wall_ms), and,
    when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64
@@ -235,6 +236,31 @@ def time_steps(m, batch, context, steps, rng):
     return float(np.median(times[2:]))
 
 
+PREFILL_IDLE_S, PREFILL_REPS = 0.25, 5    # prefill_2k: single prompts, each after this much idle time
+
+
+def time_prefill(m, ids, tab, reps=PREFILL_REPS, idle=PREFILL_IDLE_S, sleep=None):
+    """Seconds of one prefill step of the prompt `ids` (argmax on its last row) over the blocks `tab`, after one
+    warm-up step: (the median of `reps` single prompts, each after `idle` s with nothing running: one prompt's
+    prefill on a GPU not busy with others, performance.md's prefill_2k; the mean of 3 steps back to back, the
+    sustained rate). They differ on the H200 by its power cap: back to back its SM clock falls from 1,980 MHz to
+    1,575 .. 1,905 ("SW Power Cap" active at ~700 W; BENCHMARKS.md thirtieth session)."""
+    from model import SeqStep
+    step = lambda: m.step([SeqStep(ids, 0, tab, argmax=True)])
+    step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    sustained = (time.perf_counter() - t0) / 3
+    single = []
+    for _ in range(reps):
+        (sleep or time.sleep)(idle)
+        t0 = time.perf_counter()
+        step()
+        single.append(time.perf_counter() - t0)
+    return float(np.median(single)), sustained
+
+
 def decide(m, ckpt_dir, stem_tokens=512, repeats=5):
     """`repeats` questions with ~512-token stems through one engine (no HTTP), serial, one at a time, tau 0.8, cap
     16: the answers exist, and the first readout's time (the trace's readout stage: question start to readout),
@@ -295,12 +321,10 @@ def model_figures(ckpt_dir, profile=True, log=print):
         r["mbu_b1"] = round(nbytes / (r["step_ms_b1"] / 1e3) / (bw * 1e9), 4)
         ids = tuple(int(x) for x in rng.integers(3, cfg.text.vocab, 2048))
         tab = tuple(range(128))                             # the decode sequences are done: reuse blocks
-        m.step([SeqStep(ids, 0, tab, argmax=True)])
-        t0 = time.perf_counter()
-        for _ in range(3):
-            m.step([SeqStep(ids, 0, tab, argmax=True)])
-        r["prefill_2k"] = round(3 * 2048 / (time.perf_counter() - t0), 0)
-        log(f"prefill 2k: {r['prefill_2k']:.0f} tok/s")
+        single, sustained = time_prefill(m, ids, tab)
+        r["prefill_2k"], r["prefill_2k_sustained"] = round(2048 / single, 0), round(2048 / sustained, 0)
+        log(f"prefill 2k: {r['prefill_2k']:.0f} tok/s one prompt at a time ({r['prefill_2k_sustained']:.0f} back to "
+            f"back)")
         r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
         r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
         r.update(decide(m, ckpt_dir))

@@ -12,7 +12,8 @@ norms and scales at 1): finite, and irrelevant to the speed of dense bf16 kernel
 Figures (same definitions as ours): decode_b1 / b16 / b64 = B / median step time of greedy single-token forwards
 with the KV cache (`past_key_values`) after a prefill of `context` random tokens per sequence (chunked to bound
 activation memory; logits of the last position only); prefill_2k = 2,048 tokens / time of one forward of a fresh
-2,048-token prompt (cache on, last logits only), best of 3 after one warm-up; weights_gib =
+2,048-token prompt (cache on, last logits only), the median of 5 after one warm-up, each after 0.25 s idle (bench.py
+time_prefill's protocol); weights_gib =
 torch.cuda.memory_allocated() after the build (parameter bytes on the CPU).
 
 torch and transformers are imported here only, and only when the peer runs (`bench.py run --peer` starts this
@@ -121,20 +122,23 @@ def decode_step_time(model, batch, context, steps, vocab, device, chunk_tokens=1
     return times[len(times) // 2], finite
 
 
-def prefill_time(model, tokens, vocab, device, reps=3):
-    """Best seconds of one forward of a fresh `tokens`-token prompt (cache on, last logits), after a warm-up."""
+def prefill_time(model, tokens, vocab, device, reps=5, idle=0.25):
+    """Median seconds of one forward of a fresh `tokens`-token prompt (cache on, last logits) over `reps`, each after
+    `idle` s with the GPU idle, after a warm-up (bench.py time_prefill's single prompts)."""
     import torch
     ids = torch.randint(3, vocab, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
-    best = None
+    times = []
     with torch.inference_mode():
         for i in range(reps + 1):
             _sync(device)
+            if i:
+                time.sleep(idle)
             t0 = time.perf_counter()
             model(input_ids=ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             if i:
-                best = min(best or 1e9, time.perf_counter() - t0)
-    return best
+                times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def peer_figures(model_dir, device="cuda", context=1024, steps=12, batches=(1, 16, 64), prefill_tokens=2048,

@@ -6054,9 +6054,11 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
         return made[-1]
     monkeypatch.setattr(model_mod, "load", fake_load)
     monkeypatch.setattr(bench, "decide", lambda m, d: {"readout_ms_engine": 1.0})
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)            # time_prefill's idle gaps
     r = bench.model_figures(DEMO, log=lambda *a: None)
     assert made[0].closed
-    for k in ("decode_b1", "decode_b16", "decode_b64", "step_ms_b1", "prefill_2k", "weights_gib", "mbu_b1",
+    for k in ("decode_b1", "decode_b16", "decode_b64", "step_ms_b1", "prefill_2k", "prefill_2k_sustained",
+              "weights_gib", "w16_kept_gib", "mbu_b1",
               "bytes_per_step_b1", "copy_gbs", "launches_per_decode_step", "host_syncs_per_decode_step",
               "readout_ms_engine", "kernels_b1", "kernels_b64", "kernel_sum_ms_b64"):
         assert k in r, k
@@ -6065,6 +6067,24 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         bench.model_figures(DEMO, log=lambda *a: None)
     assert made[1].closed
+
+
+def test_bench_time_prefill_single_prompts_after_idle():
+    """bench.time_prefill: one warm-up step, 3 steps back to back (the sustained rate), then `reps` single prompts,
+    each after `idle` seconds of sleep; prefill_2k is the singles' median. Every step is the same one-sequence
+    2,048-token argmax prefill over the given blocks."""
+    events, seen = [], []
+
+    class M:
+        def step(self, seqs):
+            seen.append((len(seqs), len(seqs[0].tokens), seqs[0].start, seqs[0].blocks, seqs[0].argmax))
+            events.append("step")
+            return []
+
+    ids, tab = tuple(range(3, 2051)), tuple(range(128))
+    single, sustained = bench.time_prefill(M(), ids, tab, reps=4, idle=0.125, sleep=lambda s: events.append(s))
+    assert events == ["step"] * 4 + [0.125, "step"] * 4, events
+    assert set(seen) == {(1, 2048, 0, tab, True)} and single >= 0 and sustained >= 0
 
 
 def test_bench_decide_times_each_readout_on_the_demo_model():
