@@ -299,7 +299,6 @@ def model_figures(ckpt_dir, profile=True, log=print):
     server and the peer that follow have the GPU to themselves)."""
     import model as model_mod
     from config import load_model_config
-    from model import SeqStep
     cfg = load_model_config(ckpt_dir)
     t0 = time.time()
     m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=64 * 1152, max_len=2304, max_rows=2048, max_seqs=64)
