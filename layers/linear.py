@@ -121,12 +121,17 @@ def w16_bytes(ws):
     return sum(w.N * _kp(w.K) * 2 for w in ws)
 
 
+def _ss_weights(ws):
+    """Whether the GpuLinears of one launch have weights w16_fp8 copies (FP8 tensor / channel), and there are some."""
+    return bool(ws) and all(w.format in ('fp8_tensor', 'fp8_channel') for w in ws)
+
+
 def reserve_w16(g, launches, rows):
     """Give g the scratch buffers of the `_ss` launches: 'w16' for the weights' copies (launches = lists of
     GpuLinears that go in one launch: q + k + v, o_proj, gate + up, down; the largest of those with FP8 tensor /
     channel weights sets its size) and 'x16' for X's (rows x the largest Kp x 2 B). Kept while g lives; a larger
     request replaces a buffer. Only where `_ss` can run (sm_90)."""
-    fp8 = [ws for ws in launches if ws and all(w.format in ('fp8_tensor', 'fp8_channel') for w in ws)]
+    fp8 = [ws for ws in launches if _ss_weights(ws)]
     if g.capability != (9, 0) or not fp8 or rows <= 0:
         return
     for name, nbytes in (('w16', max(w16_bytes(ws) for ws in fp8)),
@@ -151,7 +156,7 @@ def cache_w16(g, launches, budget):
     used = 0
     for ws in launches:
         need = w16_bytes(ws)
-        if not ws or used + need > budget or any(w.format not in ('fp8_tensor', 'fp8_channel') for w in ws):
+        if not _ss_weights(ws) or used + need > budget:
             continue
         copies = [g.empty((w.N, _kp(w.K)), BF16) for w in ws]
         _w16_launch(g, ws[0].K, [(w.w, y, w.N) for w, y in zip(ws, copies)])
