@@ -219,6 +219,7 @@ class GPU:
         self.scratch = {}                  # name -> DeviceArray: buffers kernels' launchers share (layers.linear w16)
         self.w16_cache = {}                # FP8 weights' address -> their kept bf16 copy (layers.linear cache_w16)
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
+        self._pinned = []                  # page-locked host allocations (host_empty), freed by close
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
         self.launch_hook = None            # called after each launch (profiling), see launch()
         self.pdl = os.environ.get("SPAN02_PDL", "1") != "0"    # programmatic dependent launch where asked
@@ -252,6 +253,17 @@ class GPU:
         self._live[p] = nbytes
         return DeviceArray(self, p, shape, dtype, nbytes)
 
+    def host_empty(self, shape, dtype):
+        """An uninitialised page-locked (pinned) host array, alive until close(). Copies from and into it are DMA'd
+        as they stand, without the driver's staging of pageable memory, so an upload from it runs later: do not
+        rewrite what it uploads before the copy has run (wait on an event recorded after it)."""
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        p = int(check(cu.cuMemHostAlloc(max(nbytes, 1), 0), f"cuMemHostAlloc {nbytes} bytes"))
+        self._pinned.append(p)
+        raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(p)
+        return np.frombuffer(raw, np.uint8, nbytes).view(dtype).reshape(shape)
+
     def free(self, a):
         if a.base is not None:
             raise ValueError("free of a view: free its base")
@@ -274,7 +286,8 @@ class GPU:
 
     def upload(self, array, out=None):
         """Copy a host array to a new buffer, or into `out` (same nbytes). Asynchronous on the stream: the
-        driver stages pageable memory before returning, so `array` may be dropped at once."""
+        driver stages pageable memory before returning, so `array` may be dropped at once; a pinned one
+        (host_empty) is read when the copy runs."""
         array = np.ascontiguousarray(array)
         if out is None:
             out = self.empty(array.shape, array.dtype)
@@ -436,6 +449,10 @@ class GPU:
         else:
             check(cu.cuEventRecord(ev.handle, self.stream), "cuEventRecord")
 
+    def wait(self, ev):
+        """Block the host until the work before ev's last record has run (at once if it never was recorded)."""
+        check(cu.cuEventSynchronize(ev.handle), "cuEventSynchronize")
+
     def elapsed_ms(self, ev0, ev1):
         """Milliseconds between two recorded events (waits for the second)."""
         check(cu.cuEventSynchronize(ev1.handle), "cuEventSynchronize")
@@ -447,6 +464,9 @@ class GPU:
         for p in list(self._live):
             check(cu.cuMemFree(p), "cuMemFree")
         self._live.clear()
+        for p in self._pinned:                 # arrays over them must not be touched after close
+            check(cu.cuMemFreeHost(p), "cuMemFreeHost")
+        self._pinned.clear()
         self.scratch.clear()
         self.w16_cache.clear()
         for m in self._modules.values():

@@ -27,6 +27,7 @@ the whole step; a 2,048-token prompt skips ~1/30 of its step.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import ml_dtypes
@@ -47,6 +48,7 @@ ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs 
 MAX_KEYS_OUT = 26              # option keys A..Z
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
+MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
 # Bytes of bf16 weight copies kept for the `_ss` prefill launches (layers.linear cache_w16: whole launches, the
 # o_proj ones first, then q+k+v, layer by layer), so that those launches make no copy of their own. They count as
 # weight memory (the full-size model: 14.94 GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0:
@@ -117,16 +119,17 @@ class GpuModel(StepTools):
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
             ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H), ("r", H),
             ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("act", I))}
-        self.ws.update(ids=g.empty((R,), np.int32), pos=g.empty((R,), np.int32), rows_seq=g.empty((R,), np.int32),
-                       tables=g.empty((S * self.max_blocks,), np.int32), spans=g.empty((S * 64 * 2,), np.int32),
+        n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 3 * S          # _step_inputs' int32 words
+        self.ws.update(inp=g.empty((n_in,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((ATTN_WORK // 4,), np.float32),
-                       sel=g.empty((S,), np.int32), keep=g.empty((3 * S,), np.int32), z=g.empty((S, H), BF16),
+                       sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16),
                        zn=g.empty((S, H), BF16),
                        logits=g.empty((S, t.vocab), np.float32), am=g.empty((S,), np.int32),
                        lse=g.empty((S,), np.float32), keys=g.empty((MAX_KEYS_OUT,), np.int32),
                        keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
                        head_work=g.empty((head_work_bytes(S, t.vocab) // 4,), np.float32))
+        self.inp_host, self.inp_copied = g.host_empty((n_in,), np.int32), g.event()   # ws["inp"]'s pinned source
         self.moe_ws = moe_workspace(g, R, t.experts, t.top_k, H, t.expert_intermediate)
         if linear.W16_MIN_T is not None and R >= linear.W16_MIN_T:    # the `_ss` launches' bf16 weight copies
             attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -157,46 +160,61 @@ class GpuModel(StepTools):
         mb = max(len(s.blocks) for s in seqs)
         if mb > self.max_blocks:
             raise ValueError(f"a sequence of {mb} blocks: the longest is {self.max_blocks}")
-        offsets = np.cumsum([0] + lens)
-        tables = np.zeros((S, mb), np.int32)
-        n_spans = max([len(s.images) for s in seqs] + [1])
-        spans = np.zeros((S, n_spans, 2), np.int32)
-        for j, s in enumerate(seqs):
-            tables[j, :len(s.blocks)] = s.blocks
-            for k, im in enumerate(s.images):
-                spans[j, k] = (im.start, len(im.embeds))
-        ids = g.upload(np.concatenate([np.asarray(s.tokens, np.int32) for s in seqs]),
-                       out=self._v("ids", T, dtype=np.int32))
-        pos = g.upload(np.concatenate([np.arange(s.start, s.start + n, dtype=np.int32) for s, n in zip(seqs, lens)]),
-                       out=self._v("pos", T, dtype=np.int32))
-        rows_seq = g.upload(np.repeat(np.arange(S, dtype=np.int32), lens), out=self._v("rows_seq", T, dtype=np.int32))
-        tab = g.upload(tables, out=g.view(self.ws["tables"], 0, (S, mb), np.int32))
-        sp = g.upload(spans, out=g.view(self.ws["spans"], 0, (S, n_spans, 2), np.int32))
+        n_img = max(len(s.images) for s in seqs)
+        if n_img > MAX_IMAGES:
+            raise ValueError(f"a sequence of {n_img} images in one step: at most {MAX_IMAGES}")
+        offsets = list(itertools.accumulate(lens, initial=0))
+        ids, pos, rows_seq, tab, sp, keep = self._step_inputs(seqs, lens, offsets, mb, max(n_img, 1))
         x = self._v("x", T, t.hidden)
         embed_gpu(g, self.embed_table, ids, x, self.embed_scale)
         for s, o in zip(seqs, offsets):
             for im in s.images:                    # soft tokens replace the <|image|> rows, unscaled, as bf16
-                r = int(o + im.start - s.start)
+                r = o + im.start - s.start
                 g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
                          out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
-        keep = self._keep_rows(seqs, offsets, lens)
         self.pruned_steps += keep is not None
         self._stack(T, pos, rows_seq, tab, sp, keep)
         return self._head(seqs, offsets, lens, pruned=keep is not None)
 
+    def _step_inputs(self, seqs, lens, offsets, mb, n_spans):
+        """An eager step's int32 inputs in one upload: written into the pinned staging array (after its last copy
+        has run), copied at once to ws["inp"], returned as views of it: ids (T), pos (T), rows_seq (T), tables
+        (S, mb), spans (S, n_spans, 2) (image start, rows) and keep (3, R) (_keep_rows; None when every row goes
+        on). One copy from pinned memory in place of six from pageable arrays: a 2,048-token prompt's first
+        kernel started ~0.6 ms after the step did (BENCHMARKS.md, thirty-first session)."""
+        g, T, S = self.g, offsets[-1], len(seqs)
+        keep = self._keep_rows(seqs, offsets, lens)
+        shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape])
+        ends = list(itertools.accumulate((math.prod(sh) for sh in shapes), initial=0))
+        g.wait(self.inp_copied)
+        h = self.inp_host
+        ids, pos, rows_seq, tab, sp, *kept = [h[a:b].reshape(sh) for a, b, sh in zip(ends, ends[1:], shapes)]
+        tab[:], sp[:] = 0, 0
+        for j, (s, o, n) in enumerate(zip(seqs, offsets, lens)):
+            ids[o:o + n] = s.tokens
+            pos[o:o + n] = np.arange(s.start, s.start + n, dtype=np.int32)
+            rows_seq[o:o + n] = j
+            tab[j, :len(s.blocks)] = s.blocks
+            for k, im in enumerate(s.images):
+                sp[j, k] = (im.start, len(im.embeds))
+        if keep is not None:
+            kept[0][:] = keep
+        g.upload(h[:ends[-1]], out=g.view(self.ws["inp"], 0, (ends[-1],), np.int32))
+        g.record(self.inp_copied)
+        views = [g.view(self.ws["inp"], 4 * a, sh, np.int32) for a, sh in zip(ends, shapes)]
+        return views + ([None] if keep is None else [])
+
     def _keep_rows(self, seqs, offsets, lens):
         """The rows the last layer keeps (prune_last): the last row of each readout / argmax sequence, in sequence
-        order, uploaded as row | pos | rows_seq (3, R) int32; None when every row is kept (a `logits` sequence,
-        or no row to drop)."""
+        order, as row | pos | rows_seq (3, R) int32; None when every row is kept (a `logits` sequence, or no row
+        to drop)."""
         if not self.prune_last or any(s.logits for s in seqs):
             return None
-        rows = [(int(offsets[j] + lens[j] - 1), s.start + lens[j] - 1, j)
+        rows = [(offsets[j] + lens[j] - 1, s.start + lens[j] - 1, j)
                 for j, s in enumerate(seqs) if s.readout or s.argmax]
-        if len(rows) == int(offsets[-1]):
+        if len(rows) == offsets[-1]:
             return None
-        R = len(rows)
-        return self.g.upload(np.asarray(rows, np.int32).reshape(R, 3).T.copy(),
-                             out=self.g.view(self.ws["keep"], 0, (3, R), np.int32))
+        return np.asarray(rows, np.int32).reshape(len(rows), 3).T
 
     def _stack(self, T, pos, rows_seq, tab, spans, keep):
         """The decoder layers of an eager step over its T rows, the last one keeping `keep`'s rows (_keep_rows)."""
@@ -360,13 +378,14 @@ class GpuModel(StepTools):
         return B
 
     def _decode_buffers(self, B):
-        """Fixed device buffers of bucket B, each with a host mirror: `inp` int32 = ids (B) | pos (B) | rows_seq
+        """Fixed device buffers of bucket B, each with a pinned host mirror: `inp` int32 = ids (B) | pos (B) | rows_seq
         (B) | tables (B, max_blocks) | keys (MAX_KEYS_OUT), uploaded in one copy per step; `out` 4-byte words =
         argmax (B) int32 | lse (B) f32 | keys_out (B, MAX_KEYS_OUT) f32, downloaded in one copy per step."""
         g, mb, K = self.g, self.max_blocks, MAX_KEYS_OUT
         n_in = 3 * B + B * mb + K
         inp, out = g.empty((n_in,), np.int32), g.empty((B * (2 + K),), np.float32)
-        host_in, host_out = np.zeros(n_in, np.int32), np.zeros(B * (2 + K), np.float32)
+        host_in, host_out = g.host_empty(n_in, np.int32), g.host_empty(B * (2 + K), np.float32)   # pinned
+        host_in[:], host_out[:] = 0, 0
         d = dict(inp=inp, out=out, host_in=host_in, host_out=host_out,
                  ids=g.view(inp, 0, (B,), np.int32), pos=g.view(inp, 4 * B, (B,), np.int32),
                  rows_seq=g.view(inp, 8 * B, (B,), np.int32), tables=g.view(inp, 12 * B, (B, mb), np.int32),
@@ -386,6 +405,7 @@ class GpuModel(StepTools):
         block alone): a decode row's table grows by one block every 16 steps, and converting every row's list to
         int32 every step cost ~0.18 ms a batch-64 step (BENCHMARKS.md, eleventh session)."""
         S = len(seqs)
+        self.g.wait(self.inp_copied)                            # the last upload from the pinned mirrors has run
         d["h_ids"][:S] = [s.tokens[0] for s in seqs]
         d["h_ids"][S:] = PAD_TOKEN
         d["h_pos"][:S] = [s.start for s in seqs]
@@ -400,6 +420,7 @@ class GpuModel(StepTools):
         d["h_keys"][:len(keys)] = keys
         d["h_keys"][len(keys):] = keys[0] if keys else PAD_TOKEN
         self.g.upload(d["host_in"], out=d["inp"])
+        self.g.record(self.inp_copied)
 
     def _decode_body(self, B, d):
         """The decode step of B rows over the bucket's fixed buffers: what the graph captures. The same
@@ -495,9 +516,7 @@ class GpuModel(StepTools):
         ids = tuple(int(x) for x in np.random.default_rng(0).integers(3, self.cfg.text.vocab, T))
         seq = SeqStep(ids, 0, tuple(range(nb)), argmax=True)
         self.step([seq])
-        pos, rows_seq = self._v("pos", T, dtype=np.int32), self._v("rows_seq", T, dtype=np.int32)
-        tab, sp = g.view(self.ws["tables"], 0, (1, nb), np.int32), g.view(self.ws["spans"], 0, (1, 1, 2), np.int32)
-        keep = self._keep_rows([seq], [0, T], [T])
+        _, pos, rows_seq, tab, sp, keep = self._step_inputs([seq], [T], [0, T], nb, 1)
         return self._profile(lambda: self._stack(T, pos, rows_seq, tab, sp, keep), reps)
 
     def _profile(self, body, reps):

@@ -4357,6 +4357,50 @@ def test_gpu_demo_bit_identical_across_batches_and_chunks(demo_pair):
 
 
 @needs_gpu
+def test_gpu_demo_image_rows(demo_pair):
+    """Steps with image rows (their soft tokens in place of the rows, bidirectional attention inside each image's
+    block through the step's spans): the GPU's logits near the reference's; inside an image block the first row
+    sees the last (its logits move when the last soft token does) while the rows before the block do not (same
+    bytes); and the same bytes beside another image sequence in one step, first or second, in chunks that keep
+    each image whole, and with the last layer pruned to the argmax rows."""
+    from model import ImageRows
+    cpu, dev = demo_pair
+    rng, V = np.random.default_rng(41), cpu.cfg.text.vocab
+    ids, ims = [], []
+    for n_text, (h, w) in ((9, (100, 160)), (5, (90, 60))):
+        ids += [int(t) for t in rng.integers(3, V, n_text)]
+        soft = cpu.encode_image(vision.preprocess(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), 70))
+        ims.append(ImageRows(len(ids), soft))
+        ids += [3] * len(soft)
+    ids += [int(t) for t in rng.integers(3, V, 7)]
+    ref, got = cpu.logits(ids, images=tuple(ims)), dev.logits(ids, images=tuple(ims))
+    e = _pos_err(got, ref)
+    print(f"demo gpu vs numpy with 2 images ({len(ids)} tokens): {_err_line(e)}")
+    assert np.isfinite(got).all() and np.median(e) < 0.05 and np.quantile(e, 0.9) < 0.1
+    a, n = ims[1].start, len(ims[1].embeds)
+    moved = ims[1].embeds.copy()
+    moved[-1] = rng.standard_normal(moved.shape[1]).astype(np.float32) * np.abs(moved).max()
+    other = dev.logits(ids, images=(ims[0], ImageRows(a, moved)))
+    assert np.array_equal(other[:a], got[:a]) and not np.array_equal(other[a], got[a])
+    # beside a sequence with one image (the step's spans: 2 sequences x 2 images), in either order, and chunked
+    ids2 = [int(t) for t in rng.integers(3, V, 4)] + [3] * len(ims[0].embeds) + [5, 6]
+    im2 = ImageRows(4, ims[0].embeds[::-1].copy())
+    nb, nb2 = -(-len(ids) // 16), -(-len(ids2) // 16)
+    table, table2 = tuple(range(nb)), tuple(range(nb, nb + nb2))
+    mine = SeqStep(tuple(ids), 0, table, logits=True, images=tuple(ims))
+    theirs = SeqStep(tuple(ids2), 0, table2, argmax=True, images=(im2,))
+    assert np.array_equal(dev.step([mine, theirs])[0].logits, got)
+    assert np.array_equal(dev.step([theirs, mine])[1].logits, got)
+    cut = ims[1].start                                        # the second image starts the second chunk
+    parts = [dev.step([SeqStep(tuple(ids[:cut]), 0, table, logits=True, images=ims[:1])])[0].logits,
+             dev.step([SeqStep(tuple(ids[cut:]), cut, table, logits=True, images=ims[1:]), theirs])[0].logits]
+    assert np.array_equal(np.concatenate(parts), got)
+    n0 = dev.pruned_steps                                     # the last layer on the two argmax rows alone
+    outs = dev.step([SeqStep(tuple(ids), 0, table, argmax=True, images=tuple(ims)), theirs])
+    assert outs[0].argmax == int(got[-1].argmax()) and dev.pruned_steps == n0 + 1
+
+
+@needs_gpu
 def test_gpu_last_layer_keeps_only_head_rows(demo_pair):
     """prune_last: the last layer runs only the rows the head reads. A readout / argmax step gives the last row of
     the whole step's logits: alone, after a chunk whose last layer kept no row, beside a chunk nothing reads, and
@@ -4858,13 +4902,24 @@ def test_gpu_moe_with_router(g, real):
 
 
 class _HostOnlyGpu:
-    """Enough of gpu.GPU for model_gpu's decode host code without a GPU: host buffers only; uploads are recorded
-    (`sent`), a download returns the host array it was given (the test fills it)."""
+    """Enough of gpu.GPU for model_gpu's decode host code without a GPU: host buffers only (the pinned ones full of
+    garbage, as cuMemHostAlloc leaves them); uploads are recorded (`sent`), and the event waits and records around
+    them (`events`: kind, event, uploads so far); a download returns the host array it was given (the test fills
+    it)."""
     def __init__(self):
-        self.sent = []
+        self.sent, self.events = [], []
 
     def empty(self, shape, dtype):
         return np.zeros(shape, dtype)
+
+    def host_empty(self, shape, dtype):
+        return np.full(shape, 77, dtype)
+
+    def wait(self, ev):
+        self.events.append(("wait", ev, len(self.sent)))
+
+    def record(self, ev):
+        self.events.append(("record", ev, len(self.sent)))
 
     def view(self, a, off, shape, dtype):
         return None
@@ -4884,7 +4939,7 @@ def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
     from model import SeqStep
 
     class Stub:
-        g, max_blocks, scratch_block = _HostOnlyGpu(), 12, 999
+        g, max_blocks, scratch_block, inp_copied = _HostOnlyGpu(), 12, 999, "ev"
 
     B, rng = 8, np.random.default_rng(4)
     stub = Stub()
@@ -4923,6 +4978,8 @@ def test_decode_inputs_rewrite_only_changed_table_rows_and_match_a_full_fill():
         assert (sent[-1] == ref).all(), f"step {step}"
         assert (sent[-1][:n] == [sq.tokens[0] for sq in seqs]).all()
         assert (sent[-1][B:B + n] == [sq.start for sq in seqs]).all()
+    # each upload from the pinned mirror after a wait on the last one's event, and recorded after it
+    assert stub.g.events == [e for k in range(len(sent)) for e in (("wait", "ev", k), ("record", "ev", k + 1))]
 
 
 def test_decode_step_outputs_from_the_one_download():
@@ -4936,7 +4993,7 @@ def test_decode_step_outputs_from_the_one_download():
             pass
 
     class Stub:
-        g, max_blocks, scratch_block, decode_graph_steps = _HostOnlyGpu(), 4, 99, 0
+        g, max_blocks, scratch_block, decode_graph_steps, inp_copied = _HostOnlyGpu(), 4, 99, 0, "ev"
         _decode_inputs, _out = model_gpu.GpuModel._decode_inputs, staticmethod(model_gpu.GpuModel._out)
 
     B, K, rng = 8, model_gpu.MAX_KEYS_OUT, np.random.default_rng(8)
@@ -7124,3 +7181,69 @@ def test_ptxas_keeps_nc_loads_after_the_pdl_wait(tmp_path):
                 hoisted.append(f"{name}.{kname}: {n} in SASS, {before[kname]} in PTX")
     print(f"{checked} kernels with griddepcontrol.wait checked")
     assert checked > 50 and not hoisted, hoisted
+
+
+class _StagingLog:
+    """A stand-in for gpu.GPU with what GpuModel._step_inputs asks: views of ws["inp"], the upload from the
+    pinned array (a copy of its bytes kept) and the event it waits on and records, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def view(self, a, offset_bytes, shape, dtype):
+        assert offset_bytes + math.prod(shape) * np.dtype(dtype).itemsize <= a.nbytes
+        return types.SimpleNamespace(ptr=a.ptr + offset_bytes, shape=shape, dtype=dtype, nbytes=a.nbytes)
+
+    def upload(self, array, out):
+        assert out.ptr == 0 and array.dtype == np.int32
+        self.calls.append(("upload", array.copy()))
+
+    def wait(self, ev):
+        self.calls.append(("wait", ev))
+
+    def record(self, ev):
+        self.calls.append(("record", ev))
+
+
+def test_step_inputs_one_upload_of_every_int32_input():
+    """An eager step's ids, positions, row -> sequence map, block tables, image spans and kept rows packed into
+    the pinned array and uploaded in one copy after waiting on the last one; each device view reads back its
+    array (tables and spans zero-padded, also over a longer earlier step's leftovers in the reused array)."""
+    import model_gpu
+    from model import ImageRows
+    rng = np.random.default_rng(8)
+    m = object.__new__(model_gpu.GpuModel)
+    m.g, m.prune_last, m.inp_copied = _StagingLog(), True, "ev"
+    m.inp_host = np.full(4096, -7, np.int32)               # leftovers of earlier steps
+    m.ws = {"inp": types.SimpleNamespace(ptr=0, nbytes=4 * 4096)}
+    im = lambda start, n: ImageRows(start, np.zeros((n, 4), np.float32))
+    for seqs, want_keep in (
+            ([SeqStep(tuple(range(100, 130)), 16, tuple(range(3)), argmax=True, images=(im(20, 5), im(28, 2))),
+              SeqStep((7,), 40, (9, 4, 5), readout=(11, 12)),
+              SeqStep(tuple(range(200, 210)), 0, (6,))], [[29, 30], [45, 40], [0, 1]]),
+            ([SeqStep(tuple(int(t) for t in rng.integers(3, 999, 12)), 0, (2,), logits=True)], None)):
+        m.g.calls.clear()
+        lens = [len(s.tokens) for s in seqs]
+        offsets = [0] + list(np.cumsum(lens))
+        mb, n_spans = max(len(s.blocks) for s in seqs), max([len(s.images) for s in seqs] + [1])
+        views = m._step_inputs(seqs, lens, offsets, mb, n_spans)
+        assert [c[0] for c in m.g.calls] == ["wait", "upload", "record"] and m.g.calls[0][1] == "ev"
+        sent = m.g.calls[1][1]
+        read = [None if v is None else sent[v.ptr // 4:v.ptr // 4 + math.prod(v.shape)].reshape(v.shape)
+                for v in views]
+        tables = np.zeros((len(seqs), mb), np.int32)
+        spans = np.zeros((len(seqs), n_spans, 2), np.int32)
+        for j, s in enumerate(seqs):
+            tables[j, :len(s.blocks)] = s.blocks
+            for k, r in enumerate(s.images):
+                spans[j, k] = (r.start, len(r.embeds))
+        want = [np.concatenate([s.tokens for s in seqs]),
+                np.concatenate([np.arange(s.start, s.start + n) for s, n in zip(seqs, lens)]),
+                np.repeat(np.arange(len(seqs)), lens), tables, spans]
+        for got, w in zip(read, want):
+            np.testing.assert_array_equal(got, w)
+        if want_keep is None:
+            assert read[5] is None
+        else:
+            np.testing.assert_array_equal(read[5], np.asarray(want_keep, np.int32))
+        assert len(sent) == sum(a.size for a in want) + (0 if want_keep is None else 3 * len(want_keep[0]))
