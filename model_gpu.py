@@ -180,8 +180,8 @@ class GpuModel(StepTools):
         """An eager step's int32 inputs in one upload: written into the pinned staging array (after its last copy
         has run), copied at once to ws["inp"], returned as views of it: ids (T), pos (T), rows_seq (T), tables
         (S, mb), spans (S, n_spans, 2) (image start, rows) and keep (3, R) (_keep_rows; None when every row goes
-        on). One copy from pinned memory in place of six from pageable arrays: a 2,048-token prompt's first
-        kernel started ~0.6 ms after the step did (BENCHMARKS.md, thirty-first session)."""
+        on). One copy in place of six: on an idle GPU each of a step's first submissions costs ~0.1 ms, whatever
+        it is (BENCHMARKS.md, thirty-first session)."""
         g, T, S = self.g, offsets[-1], len(seqs)
         keep = self._keep_rows(seqs, offsets, lens)
         shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape])
@@ -378,9 +378,9 @@ class GpuModel(StepTools):
         return B
 
     def _decode_buffers(self, B):
-        """Fixed device buffers of bucket B, each with a pinned host mirror: `inp` int32 = ids (B) | pos (B) | rows_seq
-        (B) | tables (B, max_blocks) | keys (MAX_KEYS_OUT), uploaded in one copy per step; `out` 4-byte words =
-        argmax (B) int32 | lse (B) f32 | keys_out (B, MAX_KEYS_OUT) f32, downloaded in one copy per step."""
+        """Fixed device buffers of bucket B, each with a pinned host mirror: `inp` int32 = ids (B) | pos (B) |
+        rows_seq (B) | tables (B, max_blocks) | keys (MAX_KEYS_OUT), uploaded in one copy per step; `out` 4-byte
+        words = argmax (B) int32 | lse (B) f32 | keys_out (B, MAX_KEYS_OUT) f32, downloaded in one copy per step."""
         g, mb, K = self.g, self.max_blocks, MAX_KEYS_OUT
         n_in = 3 * B + B * mb + K
         inp, out = g.empty((n_in,), np.int32), g.empty((B * (2 + K),), np.float32)
