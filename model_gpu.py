@@ -555,8 +555,12 @@ class GpuModel(StepTools):
         return out
 
     def close(self):
-        """Destroy the decode graphs and free every device buffer (the GPU object is closed)."""
+        """Destroy the decode graphs and free every device buffer and pinned host array (the GPU object is closed).
+        The arrays over pinned memory are dropped first, so that a step after close fails in Python instead of
+        touching freed memory."""
         for graph in self.decode_graphs.values():
             graph.close()
         self.decode_graphs.clear()
+        self._dec.clear()
+        self.inp_host = None
         self.g.close()

@@ -7247,3 +7247,16 @@ def test_step_inputs_one_upload_of_every_int32_input():
         else:
             np.testing.assert_array_equal(read[5], np.asarray(want_keep, np.int32))
         assert len(sent) == sum(a.size for a in want) + (0 if want_keep is None else 3 * len(want_keep[0]))
+
+
+def test_close_drops_the_pinned_arrays_first():
+    """GpuModel.close (no device: a stand-in GPU): the decode buckets' mirrors and the eager step's staging array,
+    both over pinned memory that the GPU's close frees, are dropped before it, and the graphs are closed."""
+    import model_gpu
+    closed = []
+    m = object.__new__(model_gpu.GpuModel)
+    m.g = types.SimpleNamespace(close=lambda: closed.append(("gpu", m.inp_host, dict(m._dec))))
+    m.decode_graphs = {1: types.SimpleNamespace(close=lambda: closed.append("graph"))}
+    m._dec, m.inp_host = {1: {"host_in": np.zeros(4, np.int32)}}, np.zeros(8, np.int32)
+    m.close()
+    assert closed == ["graph", ("gpu", None, {})] and m.decode_graphs == {}
