@@ -139,6 +139,12 @@ class Event:
             self.handle = None
 
 
+def _shape_bytes(shape, dtype):
+    """(shape as a tuple of ints, its bytes in dtype): what empty, host_empty and view take as a shape."""
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    return shape, math.prod(shape) * np.dtype(dtype).itemsize
+
+
 def _arg(a):
     """One kernel argument as (value, code): "P" pointer (DeviceArray, ptr, None = null), "q" int64 (i64), "i" int32
     (int), "f" float32 (float). The exact types first: this runs for every argument of every launch."""
@@ -247,8 +253,7 @@ class GPU:
     # --- memory ----------------------------------------------------------------------------------------
     def empty(self, shape, dtype):
         """An uninitialised buffer (poison it with fill(a, 0xFF) in tests)."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        shape, nbytes = _shape_bytes(shape, dtype)
         p = int(check(cu.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc {nbytes} bytes"))
         self._live[p] = nbytes
         return DeviceArray(self, p, shape, dtype, nbytes)
@@ -257,8 +262,7 @@ class GPU:
         """An uninitialised page-locked (pinned) host array, alive until close(). Copies from and into it are DMA'd
         as they stand, without the driver's staging of pageable memory, so an upload from it runs later: do not
         rewrite what it uploads before the copy has run (wait on an event recorded after it)."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        shape, nbytes = _shape_bytes(shape, dtype)
         p = int(check(cu.cuMemHostAlloc(max(nbytes, 1), 0), f"cuMemHostAlloc {nbytes} bytes"))
         self._pinned.append(p)
         raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(p)
@@ -277,9 +281,8 @@ class GPU:
 
     def view(self, a, offset_bytes, shape, dtype):
         """A sub-array of `a` starting offset_bytes in, contiguous; no copy, never frees."""
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shape, nbytes = _shape_bytes(shape, dtype)
         dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
         if offset_bytes < 0 or offset_bytes % dtype.itemsize or offset_bytes + nbytes > a.nbytes:
             raise ValueError(f"view [{offset_bytes}, +{nbytes}) {dtype} does not fit in {a}")
         return DeviceArray(self, a.ptr + offset_bytes, shape, dtype, nbytes, base=a if a.base is None else a.base)
