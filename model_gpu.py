@@ -46,7 +46,7 @@ from model import SeqOut, StepTools
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
 MAX_KEYS_OUT = 26              # option keys A..Z
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a captured decode graph (<= max_seqs, max_rows)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128)   # batch sizes with a decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
 # Bytes of bf16 weight copies kept for the `_ss` prefill launches (layers.linear cache_w16: whole launches, the
@@ -230,11 +230,13 @@ class GpuModel(StepTools):
         rmsnorm_gpu(self.g, self._v("x", T, t.hidden), self.layers[0]["input_layernorm"], self._v("xn", T, t.hidden),
                     t.eps)
 
-    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None, xn_slots=False):
+    def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None, xn_slots=False,
+               decode=False):
         """One decoder layer over the step's T rows. keep (3, R) int32 (row | pos | rows_seq, _keep_rows): after
         every row's K/V is written, only those R rows go on (moved to rows 0 .. R-1). xn_slots: xn comes in
-        x16_bf16's slot order (the layer before wrote it so: layers.linear.x_slots_ok). Returns whether this layer
-        left the next one's xn in the slot order."""
+        x16_bf16's slot order (the layer before wrote it so: layers.linear.x_slots_ok). decode: every row is its
+        own sequence's one new position (the decode graphs), so attention takes its split path at any T (the same
+        bytes as the fused one). Returns whether this layer left the next one's xn in the slot order."""
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
         xn = self._v("xn", T, H)                                 # xn = input_layernorm(x) here
@@ -254,7 +256,8 @@ class GpuModel(StepTools):
         o_in = x_slots_ok(g, T, [w["self_attn.o_proj"]])          # attn straight to o_proj's `_ss`
         o_in = attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
                              spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
-                             max_keys=max_keys, work=self.ws["attn_work"], out_slots=o_in)
+                             max_keys=max_keys, work=self.ws["attn_work"], out_slots=o_in,
+                             split=True if decode else None)
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H), x_slots=o_in)
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         r = self._v("r", T, H)                                   # the MoE router's input row
@@ -433,7 +436,7 @@ class GpuModel(StepTools):
             # spans None: decode rows carry no image block (the eager step passes all-unused spans: same key
             # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
             mk = min(t.window, self.max_blocks * BLOCK) if geo.sliding else self.max_blocks * BLOCK
-            self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk)
+            self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk, decode=True)
         logits = g.view(self.ws["logits"], 0, (B, t.vocab), np.float32)  # all B rows: the eager gather is exact
         self._head_launches(x, logits, d["am"], d["keys"], d["lse"], d["keys_out"])
 

@@ -5058,10 +5058,11 @@ def _graph_decode(seqs, toks, step):
 
 
 @needs_gpu
-@pytest.mark.parametrize("batch", [1, 3, 17, 64])
+@pytest.mark.parametrize("batch", [1, 3, 17, 64, 100, 128])
 def test_gpu_graph_decode_matches_eager(graph_pair, batch):
     """After an identical prefill, 8 greedy decode steps through the graphs (padded to the bucket) and through the
-    eager step give byte-identical argmax, key logits and logsumexp."""
+    eager step give byte-identical argmax, key logits and logsumexp (above 64 rows the graphs' attention takes its
+    split path, the eager step the fused one)."""
     on, off = graph_pair
     rng = np.random.default_rng(100 + batch)
     seqs, toks = _graph_prefill([on, off], batch, rng)
@@ -5148,11 +5149,13 @@ def test_gpu_graph_decode_allocates_nothing(graph_pair):
 
 @needs_gpu
 def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
+    import model_gpu
     on, _ = graph_pair
     stats = on.stats
     print("launches per decode step (one replay each):", stats["launches_per_decode_step"])
     assert stats["host_syncs_per_decode_step"] == 1
-    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128] == [
+        b for b in model_gpu.DECODE_BUCKETS if b <= min(on.max_seqs, on.max_rows)]
     assert all(n > 0 for n in stats["launches_per_decode_step"].values())
     seqs, toks = _graph_prefill([on], 6, np.random.default_rng(9))
     counts = {}
@@ -5856,12 +5859,13 @@ def test_attention_split_plan():
     """The decode launches (no device): attn_split grid (rows, Hkv, split_z), block D / 2, shared memory for the
     position's G query rows and one zero row (attention_tile.cuh QR; 16 rows at most), so that 3 CTAs share an
     H200 SM at D = 256, G = 2 (the sliding layers); then the combine."""
-    def plan(T, D=256, Hq=16, Hkv=8):
+    def plan(T, D=256, Hq=16, Hkv=8, split=None):
         lg = _LaunchLog((9, 0))
         arr = lambda shape, dt: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=1024, size=math.prod(shape))
         q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), BF)
         rs, tab, out = arr((T,), np.int32), arr((1, 70), np.int32), arr((T, Hq * D), BF)
-        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32))
+        A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32),
+                        split=split)
         return lg.launches, lg.blocks
 
     launches, blocks = plan(64)
@@ -5873,6 +5877,16 @@ def test_attention_split_plan():
     assert plan(1, Hq=16, Hkv=1)[0][0][2] == A.attention_smem(256, 1) == A.attention_smem(256, 1, G=16)
     d512 = (128 + 9) * 1040 + 16 * 144 + 2 * 8 * 16 * 4 + 3 * 16 * 4                  # G = 8: 9 Q rows
     assert plan(5, D=512, Hkv=2)[0][0][2] == A.attention_smem(512, 1, G=8) == d512
+    # split=True (the decode graphs' buckets above ATTN_SPLIT_ROWS): the split path at any T, in row groups that fit
+    # the scratch (1 << 24 floats: 16 heads x 17 slots x 258 floats a row, 239 rows a group); split=False: fused
+    launches, _ = plan(128, split=True)
+    assert [(f, grid) for f, grid, *_ in launches] == [("attention.attn_split_bf16_d256", (128, 8, A.split_z(
+        128, 8, 17, 256, 2))), ("attention.attn_combine_bf16", (128, 16, 1))], launches
+    launches, _ = plan(300, split=True)
+    assert [(f, grid[0]) for f, grid, *_ in launches] == [("attention.attn_split_bf16_d256", 239), (
+        "attention.attn_combine_bf16", 239), ("attention.attn_split_bf16_d256", 61), ("attention.attn_combine_bf16", 61)]
+    assert [f for f, *_ in plan(128)[0]] == ["attention_sm90a.attn_fused_wg_bf16_d256"]
+    assert [f for f, *_ in plan(8, split=False)[0]] == ["attention_sm90a.attn_fused_wg_bf16_d256"]
 
 
 # ====================================================================================================
@@ -6106,7 +6120,7 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     made = []
 
     def fake_load(d, device="cpu", **kw):
-        assert device == "gpu" and kw["max_seqs"] == 64
+        assert device == "gpu" and kw["max_seqs"] == 128 and kw["kv_tokens"] >= 128 * (1024 + 12 + 1)
         made.append(_FakeModel(load_model_config(d)))
         return made[-1]
     monkeypatch.setattr(model_mod, "load", fake_load)
@@ -6114,8 +6128,8 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     monkeypatch.setattr(bench.time, "sleep", lambda s: None)            # time_prefill's idle gaps
     r = bench.model_figures(DEMO, log=lambda *a: None)
     assert made[0].closed
-    for k in ("decode_b1", "decode_b16", "decode_b64", "step_ms_b1", "prefill_2k", "prefill_2k_sustained",
-              "weights_gib", "w16_kept_gib", "mbu_b1",
+    for k in ("decode_b1", "decode_b16", "decode_b64", "decode_b128", "step_ms_b1", "prefill_2k",
+              "prefill_2k_sustained", "weights_gib", "w16_kept_gib", "mbu_b1",
               "bytes_per_step_b1", "copy_gbs", "launches_per_decode_step", "host_syncs_per_decode_step",
               "readout_ms_engine", "kernels_b1", "kernels_b64", "kernel_sum_ms_b64"):
         assert k in r, k

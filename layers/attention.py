@@ -84,7 +84,7 @@ def scatter(pool, table, positions, rows):
 ATTN_CHUNK = 64                    # keys per attention partial (CHUNK in attention.cu)
 ATTN_WORK_BYTES = 256 << 20        # scratch one attention_gpu call allocates when the caller gives none
 ATTN_HEAD_DIMS = (64, 128, 256, 512)   # D with attn_split_bf16_d{D} / attn_fused_bf16_d{D} (one template in attention.cu)
-ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine (decode, graph buckets); above: fused (prefill)
+ATTN_SPLIT_ROWS = 64               # T <= this: split kernels + combine; above: fused (the decode graphs: split always)
 ATTN_FUSED_MT = {64: 2, 128: 2, 256: 4, 512: 2}   # m16 row tiles per fused CTA by D (FMT in attention.cu)
 # The fused tile on wgmma with a loader warpgroup (attention_sm90a.cu, sm_90 GPUs), by head_dim: D = 256 (the sliding
 # layers) and 512 (the full ones), the same bytes as attn_fused_bf16_d{D}; None: the mma.sync tile everywhere. H200,
@@ -260,7 +260,7 @@ def attention_smem(D, MT, wg=False, G=None):
 
 
 def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
-                  max_keys=None, work=None, out_slots=False):
+                  max_keys=None, work=None, out_slots=False, split=None):
     """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax with
     p rounded to bf16 for the P.V tensor-core product (attention.cu header).
     q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {64, 128, 256, 512}; rows_seq, rows_pos
@@ -270,8 +270,8 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     or the end of p's image block (sliding). The keys must already be in the pools (kv_write_gpu first).
     max_keys bounds hi - lo + 1 over the rows (default: window on sliding layers without spans, else the
     table's capacity max_blocks * 16); a row that needs more chunks than that gets NaN.
-    Two launch shapes with the same per-(row, chunk) arithmetic, picked by T only (every grid depends on T and
-    max_keys only, never on the data: CUDA-graph safe):
+    Two launch shapes with the same per-(row, chunk) arithmetic, picked by T unless `split` says which (every grid
+    depends on T, max_keys and split only, never on the data: CUDA-graph safe):
       T <= ATTN_SPLIT_ROWS (decode): attn_split_bf16_d{D} grid (n, Hkv, split_z(n, Hkv, slots, D, G)), block D/2,
         one CTA per (row, kv head, chunk slot column) writing partials to `work`, then attn_combine_bf16
         grid (n, Hq), block D/4. work: float32 scratch (attention_work); None allocates (and frees) one of at
@@ -283,7 +283,9 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         loader), a CTA per (64 // G positions, kv head, ATTN_WG_COLS output columns).
     out_slots: the wgmma kernels' `_slots` form writes out's rows in x16_bf16's slot order (layers.linear: o_proj's
     `_ss` X, no copy); returns whether out went out that way (not from the split path, whose combine writes it
-    plainly, nor from the mma.sync tile, which is at its register cap)."""
+    plainly, nor from the mma.sync tile, which is at its register cap).
+    split: None picks by T as above; True takes the split path at any T (rows of one position each: the decode
+    graphs' buckets above ATTN_SPLIT_ROWS, where a fused tile would walk one sequence a pass), False the fused one."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -313,7 +315,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     mod = g.module("attention")
     common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
               int(bool(sliding))]
-    if T > ATTN_SPLIT_ROWS:
+    if not (T <= ATTN_SPLIT_ROWS if split is None else split):
         wg = ATTN_FUSED_WG is not None and D in ATTN_FUSED_WG and g.capability == (9, 0)
         if wg:
             rp, nz, block = ATTN_WG_ROWS // G, D // ATTN_WG_COLS, ATTN_WG_THREADS
