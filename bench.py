@@ -5,7 +5,7 @@
                                                  write it (if DIR has none), then measure, part by part:
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
-   eager): decode_b1 / b16 / b64 (+ step_ms_b*) with ~1k context, prefill_2k (and prefill_2k_sustained: see
+   eager): decode_b1 / b16 / b64 and b128 (the server's largest batch; + step_ms_b*) with ~1k context, prefill_2k (and prefill_2k_sustained: see
    time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16 copies), load_model_s (model
    construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, five
    decisions through one engine without HTTP (readout_ms_engine: their median, and each; decision_wall_ms), and,
@@ -22,7 +22,7 @@
 
 A part that fails is recorded under "errors" (the others still run, exit status 1); "part_s" has each part's
 seconds. At full size on the H200 (2026-11-30 speeds: decode_b64 ~1,440 tok/s, prefill ~2,400 tok/s) expect:
-checkpoint write ~45 s (first run only), model ~1.5 min (the b64 prefill of 64 x 1k tokens dominates), server
+checkpoint write ~45 s (first run only), model ~2 min (the b128 prefill of 128 x 1k tokens dominates), server
 ~2.5 min at --requests 128 (two server starts ~15 s each, the workload ~2 min: 512 questions x 256 thought
 tokens), peer ~1 min.
 
@@ -301,7 +301,7 @@ def model_figures(ckpt_dir, profile=True, log=print):
     from config import load_model_config
     cfg = load_model_config(ckpt_dir)
     t0 = time.time()
-    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=64 * 1152, max_len=2304, max_rows=2048, max_seqs=64)
+    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=128 * 1152, max_len=2304, max_rows=2048, max_seqs=128)
     load_s = time.time() - t0
     try:
         g = m.g
@@ -310,7 +310,7 @@ def model_figures(ckpt_dir, profile=True, log=print):
         r = {"weights_gib": round(m.weight_bytes / 2 ** 30, 3),       # incl. the prefill's kept bf16 copies:
              "w16_kept_gib": round(getattr(m, "w16_kept", 0) / 2 ** 30, 3),   # model_gpu.W16_KEEP_BYTES
              "load_model_s": round(load_s, 1), "copy_gbs": round(bw, 0)}
-        for b in (1, 16, 64):
+        for b in (1, 16, 64, 128):
             dt = time_steps(m, b, 1024, 12, rng)
             r[f"decode_b{b}"] = round(b / dt, 1)
             r[f"step_ms_b{b}"] = round(dt * 1e3, 3)
