@@ -5178,11 +5178,12 @@ def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
 @needs_gpu
 def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     """A step with a prefill chunk, full logits, or a batch above the largest bucket runs eagerly, same bytes."""
+    import model_gpu
     on, off = graph_pair
     rng = np.random.default_rng(11)
-    seqs, toks = _graph_prefill([on, off], 65, rng)
+    seqs, toks = _graph_prefill([on, off], max(model_gpu.DECODE_BUCKETS) + 1, rng)
     n0 = on.decode_graph_steps
-    for batch in (_graph_decode(seqs, toks, 0),                                 # 65 > 64: no bucket
+    for batch in (_graph_decode(seqs, toks, 0),                                 # 129 > 128: no bucket
                   _graph_decode(seqs[:2], toks[:2], 1)[:1] + [SeqStep(seqs[1][0][-1:] * 3, len(seqs[1][0]) + 1,
                                                                       seqs[1][1], argmax=True)]):
         got, ref = on.step(batch), off.step(batch)
