@@ -5,10 +5,11 @@
                                                  write it (if DIR has none), then measure, part by part:
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
-   eager): decode_b1 / b16 / b64 and b128 (the server's largest batch; + step_ms_b*) with ~1k context, prefill_2k (and prefill_2k_sustained: see
-   time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16 copies), load_model_s (model
-   construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, five
-   decisions through one engine without HTTP (readout_ms_engine: their median, and each; decision_wall_ms), and,
+   eager): decode_b1 / b16 / b64 and b128 (the server's largest batch) (+ step_ms_b*) with ~1k context, prefill_2k
+   (and prefill_2k_sustained: see time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16
+   copies), load_model_s (model construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host
+   syncs per decode step, five decisions through one engine without HTTP (readout_ms_engine: their median, and
+   each; decision_wall_ms), and,
    when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64
    / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+
    kernel_sum_ms_*). The model is closed before the next part.
