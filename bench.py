@@ -22,10 +22,9 @@
    transformers bf16 (sdpa, grouped_mm) as peer_*, and ratio_* = ours / peer for each figure both have.
 
 A part that fails is recorded under "errors" (the others still run, exit status 1); "part_s" has each part's
-seconds. At full size on the H200 (2026-11-30 speeds: decode_b64 ~1,440 tok/s, prefill ~2,400 tok/s) expect:
-checkpoint write ~45 s (first run only), model ~2 min (the b128 prefill of 128 x 1k tokens dominates), server
-~2.5 min at --requests 128 (two server starts ~15 s each, the workload ~2 min: 512 questions x 256 thought
-tokens), peer ~1 min.
+seconds. At full size on the H200 (2026-12-01, BENCHMARKS.md thirty-second session, call 7) a run took: checkpoint
+write ~45 s (first run only), model 36 s (with the kernel tables), server 66 s at --requests 256 (two server starts
+~11 s each, the workload 42 s: 1,024 questions x 256 thought tokens), peer 35 s.
 
 The checkpoint is in the span-02 format (checkpoint.md): per-expert NVFP4 experts (compressed-tensors),
 per-channel FP8 attention and dense MLP, bf16 embeddings, norms, router and vision tower, sharded one
