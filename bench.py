@@ -9,10 +9,9 @@
    (and prefill_2k_sustained: see time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16
    copies), load_model_s (model construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host
    syncs per decode step, five decisions through one engine without HTTP (readout_ms_engine: their median, and
-   each; decision_wall_ms), and,
-   when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64
-   / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+
-   kernel_sum_ms_*). The model is closed before the next part.
+   each; decision_wall_ms), and, when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel
+   tables kernels_b1 / kernels_b64 / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token
+   stem and its probe row) (+ kernel_sum_ms_*). The model is closed before the next part.
 2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it, and the standard workload (--requests N of
