@@ -33,7 +33,9 @@
 // output in one warp, 2 down blocks a CTA: 426 + 284; the step descriptors by one add each (b_desc_step): 423 + 282.
 // Thirteenth session: MMAs as wide as the tile's tokens, not NTOK (a 508-token prompt's tiles hold ~32 of 64), and
 // no copies of the activation rows they skip: T = 508 182.2 + 112.0 -> 151.8 + 98.6, T = 2048 430.8 + 290.8 ->
-// 400.6 + 284.8 (one call; launches vary by ~ +-7 us).
+// 400.6 + 284.8 (one call; launches vary by ~ +-7 us). Thirty-third session: the down epilogue's outputs through
+// shared memory as 16-byte stores (down_wg_body): a 2,048-token prefill's 30 moe_down_wg64 launches 7,964 -> 7,898 us,
+// the eager step 40.67 -> 40.48 ms (medians of 10 single steps after idle, alternating in one process).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -41,6 +43,16 @@
 #include "moe_common.cuh"
 #include "xperm.cuh"      // perm_pos / perm_col: the permuted column order
 #include "wgmma.cuh"
+
+// stmatrix of 4 / 2 transposed 8 x 8 b16 matrices (lanes 8 i .. 8 i + 7 give matrix i's 8 line addresses).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t a, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t a, uint32_t r0, uint32_t r1) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(a), "r"(r0), "r"(r1)
+                 : "memory");
+}
 
 // xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 8 / block),
 // T), block <= Kp / 8: one 16-byte chunk of xp (words 4 j .. 4 j + 3 of a super unit, j = 0..15) per thread, from the
@@ -196,13 +208,15 @@ __device__ __forceinline__ void wg_a(const uint8_t *sp, uint32_t (&a)[8][4]) {
 // For each of nb blocks of weight rows (rows(b, R) sets the lane's two rows of block b, WgRows), in order: tot
 // (registers: the warpgroup's 64 rows x N tokens D fragment, element 4n + i = row 16 (warp & 3) + g (+ 8 for
 // i >= 2), token 8n + 2q + (i & 1)) = the fp32 sum of the super units' partials, from +0.0f in ascending order, of
-// the block's rows against the tile's rows of X (rowoff); then epi(b, tot). ST stages run through the blocks' units
+// the block's rows against the tile's rows of X (rowoff); then epi(b, tot, sp). ST stages run through the blocks' units
 // as one sequence, so a block's first stages load while the one before finishes (no pipeline fill a block). Per
 // unit: its 8 steps are issued into the zeroed partial (A decoded before); while they run, the next unit's stage is
 // waited for and the previous unit's stage refilled; then the partial is added and the next unit's A fragments
 // decoded (one A buffer: the registers allow 2 CTAs per SM, which hide each other's waits). epi of the last block
 // runs with no cp.async group or wgmma pending and the stages free (barrier before it); the others run between
-// units, with stages in flight, so they must not touch the stages. MULTI = false: nb must be 1 (no block loop).
+// units, with other stages in flight: sp, the stage of the block's last unit, is theirs to use once both warpgroups'
+// MMAs of that unit are done (a barrier in epi), until the next unit's barrier (the stage's next load follows it).
+// MULTI = false: nb must be 1 (no block loop).
 // N (<= NTOK, a multiple of 8): the tokens the MMAs compute, the tile's nq rounded up to one of the widths
 // with_tokens offers the kernel; the stages keep NTOK token rows, of which the MMAs read the first N.
 template <int NTOK, int N, int ST, bool MULTI, class Rows, class Epi>
@@ -260,7 +274,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
             part[i] = 0.f;
         }
         if (MULTI && ++su == nsu && v + 1 < nv) {             // block b done, another follows
-            epi(b, tot);
+            epi(b, tot, smem + (v % ST) * WG_STAGE(NTOK));    // unit v's stage: refilled after the next barrier
 #pragma unroll
             for (int i = 0; i < N / 2; ++i) tot[i] = 0.f;
             su = 0;
@@ -270,7 +284,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
     }
     cp_async_wait_<0>();
     __syncthreads();                                          // the stages may be reused
-    epi(b, tot);
+    epi(b, tot, smem);
 }
 
 // f(TileN<N>()) for the smallest N = N0 - STEP j >= nq (1 .. N0; STEP a multiple of 8), a CTA-uniform branch: a
@@ -328,7 +342,7 @@ __device__ __forceinline__ void gate_up_wg_body(const bf16 *__restrict__ xp, con
         wg_row((uint32_t)(e * I + n), H, R.wo[0], R.so[0]);
         R.wo[1] = R.wo[0]; R.so[1] = R.so[0];
     };
-    auto epi = [&](int, auto &tot) {                          // tot: float[N / 2], N = the MMAs' tokens
+    auto epi = [&](int, auto &tot, uint8_t *) {               // tot: float[N / 2], N = the MMAs' tokens
         constexpr int N8 = sizeof(tot) / (4 * sizeof(float));
         const int lim = nq - 2 * q;                           // token 8j + 2q + c is real iff 8j + c < lim
         bf16 *col = up + (size_t)q0 * Ip + (n & ~127) + perm_pos(n & 127);
@@ -382,23 +396,43 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     __syncthreads();
     const float *gd = g6 + 4;
     auto first = [&](int b) { return (c0 + b) * 128 + 16 * warp; };      // the warp's first row in block b
-    auto epi = [&](int b, auto &tot) {                        // tot: float[N / 2], N = the MMAs' tokens
+    // The block's outputs go out through shared memory (sp: a free stage, see wg_mainloop), token-major: 256 bytes a
+    // token (the block's 128 rows), its 16-byte piece p (rows 8p .. 8p + 7) at (p ^ (token & 7)) << 4. Each warp puts
+    // its 16 rows in with stmatrix.trans (the D fragment: lane (g, q) holds row g, tokens 2q and 2q + 1 of each 8 x 8
+    // block; transposed, each stored line is one token's 8 rows), then the CTA stores whole 16-byte pieces of the
+    // real tokens' rows (those past H not), in place of 4 two-byte stores a thread an 8-token block.
+    auto epi = [&](int b, auto &tot, uint8_t *sp) {           // tot: float[N / 2], N = the MMAs' tokens
         constexpr int N8 = sizeof(tot) / (4 * sizeof(float));
-        const int lim = nq - 2 * q;                           // token 8n + 2q + c is real iff 8n + c < lim
-        const int n0 = first(b);
-        if (n0 >= H) return;
+        const uint32_t os = static_cast<uint32_t>(__cvta_generic_to_shared(sp));
+        const int j = lane & 7, mi = lane >> 3, piece = 2 * warp + (mi & 1), base = (c0 + b) * 128;
+        auto pk = [&](float x, float wx, float y, float wy) {   // bf16x2 (x's output low, y's high)
+            const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(apply_global(x, gd), wx),
+                                                           __fmul_rn(apply_global(y, gd), wy));
+            return *reinterpret_cast<const uint32_t *>(&v);
+        };
+        __syncthreads();                                      // both warpgroups' MMAs have read the stage
 #pragma unroll
-        for (int n = 0; n < N8; ++n)
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int tok = 8 * n + 2 * q + c;
-                if (8 * n + c < lim) {
-                    const float w = wt[tok];
-                    bf16 *orow = o + (size_t)pos[tok] * H + n0 + g;
-                    orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
-                    orow[8] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + 2 + c], gd), w));
-                }
+        for (int n = 0; n < N8; n += 2) {
+            const float w0 = wt[8 * n + 2 * q], w1 = wt[8 * n + 2 * q + 1];
+            const uint32_t r0 = pk(tot[4 * n], w0, tot[4 * n + 1], w1), r1 = pk(tot[4 * n + 2], w0, tot[4 * n + 3], w1);
+            if (n + 1 < N8) {
+                const float w2 = wt[8 * n + 8 + 2 * q], w3 = wt[8 * n + 9 + 2 * q];
+                const int tok = 8 * (n + (mi >> 1)) + j;
+                stmatrix_x4_trans(os + tok * 256 + ((piece ^ j) << 4), r0, r1,
+                                  pk(tot[4 * n + 4], w2, tot[4 * n + 5], w3), pk(tot[4 * n + 6], w2, tot[4 * n + 7], w3));
+            } else {                                          // an odd last block: lanes 0 .. 15 address its two
+                stmatrix_x2_trans(os + (8 * n + j) * 256 + ((piece ^ j) << 4), r0, r1);
             }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < nq * 16; i += blockDim.x) {
+            const int tok = i >> 4, p = i & 15;
+            if (base + 8 * p >= H) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(os + tok * 256 + ((p ^ (tok & 7)) << 4)));
+            *reinterpret_cast<uint4 *>(o + (size_t)pos[tok] * H + base + 8 * p) = v;
+        }
     };
     auto rows = [&](int b, WgRows &R) {
         R.w[0] = R.w[1] = dw; R.s[0] = R.s[1] = ds;
