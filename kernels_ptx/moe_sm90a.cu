@@ -34,7 +34,8 @@
 // Thirteenth session: MMAs as wide as the tile's tokens, not NTOK (a 508-token prompt's tiles hold ~32 of 64), and
 // no copies of the activation rows they skip: T = 508 182.2 + 112.0 -> 151.8 + 98.6, T = 2048 430.8 + 290.8 ->
 // 400.6 + 284.8 (one call; launches vary by ~ +-7 us). Thirty-third session: the down epilogue's outputs through
-// shared memory as 16-byte stores (down_wg_body): a 2,048-token prefill's 30 moe_down_wg64 launches 7,964 -> 7,898 us,
+// shared memory as 16-byte stores (down_wg_body, 64-token tiles): a 2,048-token prefill's 30 moe_down_wg64 launches
+// 7,964 -> 7,898 us,
 // the eager step 40.67 -> 40.48 ms (medians of 10 single steps after idle, alternating in one process).
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -400,9 +401,30 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     // token (the block's 128 rows), its 16-byte piece p (rows 8p .. 8p + 7) at (p ^ (token & 7)) << 4. Each warp puts
     // its 16 rows in with stmatrix.trans (the D fragment: lane (g, q) holds row g, tokens 2q and 2q + 1 of each 8 x 8
     // block; transposed, each stored line is one token's 8 rows), then the CTA stores whole 16-byte pieces of the
-    // real tokens' rows (those past H not), in place of 4 two-byte stores a thread an 8-token block.
+    // real tokens' rows (those past H not), in place of 4 two-byte stores a thread an 8-token block. Only in the
+    // 64-token tiles (prompts): the decode batches' 32-token tiles, a few tokens each, store straight from the
+    // fragments (with the staging, its two barriers a block: batch 16 / 64 / 128 decode steps 6.89 / 13.32 / 20.77 ->
+    // 7.04 / 13.60 / 21.16 ms; H200, thirty-third session).
     auto epi = [&](int b, auto &tot, uint8_t *sp) {           // tot: float[N / 2], N = the MMAs' tokens
         constexpr int N8 = sizeof(tot) / (4 * sizeof(float));
+        if constexpr (NTOK < 64) {
+            const int lim = nq - 2 * q;                       // token 8n + 2q + c is real iff 8n + c < lim
+            const int n0 = first(b);
+            if (n0 >= H) return;
+#pragma unroll
+            for (int n = 0; n < N8; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int tok = 8 * n + 2 * q + c;
+                    if (8 * n + c < lim) {
+                        const float w = wt[tok];
+                        bf16 *orow = o + (size_t)pos[tok] * H + n0 + g;
+                        orow[0] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + c], gd), w));
+                        orow[8] = __float2bfloat16_rn(__fmul_rn(apply_global(tot[4 * n + 2 + c], gd), w));
+                    }
+                }
+            return;
+        }
         const uint32_t os = static_cast<uint32_t>(__cvta_generic_to_shared(sp));
         const int j = lane & 7, mi = lane >> 3, piece = 2 * warp + (mi & 1), base = (c0 + b) * 128;
         auto pk = [&](float x, float wx, float y, float wy) {   // bf16x2 (x's output low, y's high)
