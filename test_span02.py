@@ -3638,17 +3638,26 @@ def _lin_head_table(rng, v, h):
 
 @needs_gpu
 def test_gpu_linear_head(lin_g):
+    """The tied head against float64 at T = 1, 3 (the decode family), 64 and 100 (`_g128` from G128_F32_MIN_T), and
+    each row of the 64- and 100-row launches byte-equal to the same row alone (T = 1)."""
     g, rng = lin_g, np.random.default_rng(4)
     v, h = 262144, 2816
     table, ref = _lin_head_table(rng, v, h)
     td = g.upload(table)
-    for t in (1, 3):
+    assert lin_mod.G128_F32_MIN_T <= 100
+    for t in (1, 3, 64, 100):
         x = rng.standard_normal((t, h), np.float32).astype(BF16)
         xd, out = g.upload(x), g.empty((t, v), np.float32)
         g.fill(out, 0xFF)
         head_gpu(g, xd, td, out)
-        _lin_check(f'head V={v} H={h} T={t}', g.download(out), ref(x).reshape(t, v))
+        y = g.download(out)
+        _lin_check(f'head V={v} H={h} T={t}', y, ref(x).reshape(t, v))
         g.free(xd), g.free(out)
+        for r in ((0, t // 2, t - 1) if t >= 64 else ()):
+            xd, one = g.upload(x[r:r + 1]), g.empty((1, v), np.float32)
+            head_gpu(g, xd, td, one)
+            assert g.download(one).tobytes() == y[r:r + 1].tobytes(), (t, r)
+            g.free(xd), g.free(one)
     g.free(td)
 
 
@@ -6630,13 +6639,14 @@ def _with_tile(tile, fn):
     """fn() with the prefill tile `tile` ('p', 'g128', 'ws' or 'ss': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS /
     W16_MIN_T set so that it runs every launch it can take from T = 65; restored after). 'ss' needs the GPU's w16
     scratch (lin_g reserves it)."""
-    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T
+    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T
     lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T = {
         'p': (None, None, 1, None), 'g128': (65, None, 1, None), 'ws': (65, 65, 1, None), 'ss': (65, 65, 1, 65)}[tile]
+    lin_mod.G128_F32_MIN_T = lin_mod.G128_MIN_T
     try:
         return fn()
     finally:
-        lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T = saved
+        (lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T) = saved
 
 
 # `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
@@ -6705,6 +6715,33 @@ def test_norms_pdl_plan():
 def _fake_linear(fmt, n, k):
     w = types.SimpleNamespace(nbytes=n * k, ptr=256)
     return lin_mod.GpuLinear(fmt, n, k, w, None if fmt == 'bf16' else types.SimpleNamespace(ptr=512))
+
+
+def test_linear_head_tile_choice():
+    """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 64
+    tokens and `_g128` (one 128-token tile of every 128 rows) from G128_F32_MIN_T = 65, while other bf16 launches keep
+    G128_MIN_T; with G128_F32_MIN_T None the head takes `_p` there."""
+    from layers.linear import head_gpu
+    V, H = 262144, 2816
+    arr = lambda *shape, dt=BF16: types.SimpleNamespace(shape=shape, dtype=dt, ptr=1024,
+                                                       nbytes=int(np.prod(shape)) * np.dtype(dt).itemsize)
+    for t, want in ((64, 'linear.gemm_bf16_f32_n4m1r2b2t'), (65, 'linear.gemm_bf16_f32_g128'),
+                    (128, 'linear.gemm_bf16_f32_g128')):
+        g = _LaunchLog()
+        head_gpu(g, arr(t, H), arr(V, H), arr(t, V, dt=np.float32))
+        assert [f for f, *_ in g.launches] == [want], (t, g.launches)
+        if 'g128' in want:
+            assert g.launches[0][1] == (V // 128, 1, 1), g.launches
+    g = _LaunchLog()
+    linear_gpu(g, arr(96, H), _fake_linear('bf16', 4096, H), arr(96, 4096))           # bf16 out: G128_MIN_T
+    assert g.launches[0][0] == 'linear.gemm_bf16_bf16_p', g.launches
+    saved, lin_mod.G128_F32_MIN_T = lin_mod.G128_F32_MIN_T, None
+    try:
+        g = _LaunchLog()
+        head_gpu(g, arr(96, H), arr(V, H), arr(96, V, dt=np.float32))
+    finally:
+        lin_mod.G128_F32_MIN_T = saved
+    assert g.launches[0][0] == 'linear.gemm_bf16_f32_p', g.launches
 
 
 def test_linear_prefill_tile_choice():

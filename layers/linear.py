@@ -21,6 +21,11 @@ PREFILL_MIN_T = 65                      # T from which a prefill tile runs (same
 # `_g128` (128 x 128, slice-major: plain and multi launches of FP8 tensor / channel and bf16 weights; see linear.cu
 # for the H200 times that set the threshold). Same bits either way. G128_MIN_T = None: `_p` only.
 G128_MIN_T = 512
+# The tied head's family (bf16 weights, f32 out: 262,144 rows) takes `_g128` from 65 tokens (the decode buckets 96 and
+# 128): H200, 2026-12-01, graph-replayed, the same bytes, us (decode family / `_p` / `_g128`): T = 64 860 / 924 /
+# 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the decode family re-read each row of
+# the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
+G128_F32_MIN_T = 65
 G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # The wgmma tile `_ws` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens a tile, persistent,
 # the same bits as every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T
@@ -293,7 +298,8 @@ def _wgmma_tile(g, kernel, t, k, projs, gelu=False, x_slots=False):
 def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
     """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
     x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_ws` from W_MIN_T,
-    `_g128` from G128_MIN_T, else `_p`) or the decode family (DECODE_VARIANT) by T (same bits either way).
+    `_g128` from G128_MIN_T (bf16 -> f32: G128_F32_MIN_T), else `_p`) or the decode family (DECODE_VARIANT) by T
+    (same bits either way).
     slots (gelu) / x_slots: act goes out / x comes in x16_bf16's slot order; both only on `_ss` (mlp_gpu)."""
     t, k = x.shape
     rows = [n for *_, n in projs]
@@ -316,7 +322,8 @@ def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
                  shared=(SS_SMEM if tile == 'ss' else WS_SMEM) + (W_GATE if gelu else W_OUT),
                  nbytes=2 * _kp(k) * sum(rows) if tile == 'ss' else wbytes, flops=flops, pdl=True)
         return
-    if G128_MIN_T is not None and t >= max(G128_MIN_T, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
+    g128 = G128_F32_MIN_T if kernel == 'gemm_bf16_f32' else G128_MIN_T
+    if g128 is not None and t >= max(g128, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
         f = g.module('linear').function(f'{kernel}_g128')
         g.launch(f, grid=(sum(-(-n // G_ROWS) for n in rows), -(-t // 128), 1), block=(THREADS, 1, 1), args=args,
                  shared=_gemm_smem(kernel), nbytes=wbytes, flops=flops, pdl=True)
