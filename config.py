@@ -210,7 +210,7 @@ class EngineConfig:
     model_dir: str
     device: str = "auto"           # auto | cpu | gpu
     max_len: int = 8192            # longest sequence (stem + thought) in tokens
-    kv_tokens: int = 0             # KV pool size in tokens; 0 = the default, 16,384 (span02.engine_config)
+    kv_tokens: int = 0             # KV pool size in tokens; 0 = sized at load (model.load: GPU memory / CPU 16,384)
     max_batch: int = 128           # most sequences in one step (model_gpu.DECODE_BUCKETS has a graph for 128)
     prefill_chunk: int = 512       # most prompt tokens of one sequence per step
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -251,6 +251,11 @@ class GPU:
         return sum(self._live.values())
 
     # --- memory ----------------------------------------------------------------------------------------
+    def mem_free(self):
+        """Bytes of device memory free now (cuMemGetInfo; other processes' allocations count as used)."""
+        free, _total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
     def empty(self, shape, dtype):
         """An uninitialised buffer (poison it with fill(a, 0xFF) in tests)."""
         shape, nbytes = _shape_bytes(shape, dtype)

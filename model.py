@@ -57,6 +57,9 @@ class SeqOut:
     logits: np.ndarray | None = None   # (len(tokens), V) float32
 
 
+CPU_KV_TOKENS = 16384           # the CPU model's KV pool when load() is asked to size it (kv_tokens=0)
+
+
 # --- weights -----------------------------------------------------------------------------------------
 
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -194,7 +197,8 @@ class Model(StepTools):
 
 def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
     """Load a model directory (config.json, safetensors) on a backend: "cpu" (the numpy reference), "gpu"
-    (model_gpu.GpuModel), or "auto" (the GPU when there is one)."""
+    (model_gpu.GpuModel), or "auto" (the GPU when there is one). kv_tokens: KV pool positions; 0 sizes it from the
+    GPU's free memory (model_gpu.auto_kv_tokens, at most gpu_kw's kv_cap) or, on the CPU, CPU_KV_TOKENS."""
     import gpu
     if device == "auto":
         device = "gpu" if gpu.available() else "cpu"
@@ -211,4 +215,4 @@ def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
                               "unquantized; load it with --quantize (NVFP4 experts, FP8 dense layers at load)")
         from model_gpu import GpuModel
         return GpuModel(cfg, ck, kv_tokens=kv_tokens, name=name, **gpu_kw)
-    return Model(cfg, ck, kv_tokens=kv_tokens, name=name)
+    return Model(cfg, ck, kv_tokens=kv_tokens or CPU_KV_TOKENS, name=name)

@@ -41,6 +41,7 @@ from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, uploa
 from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts, x_perm_ok as moe_x_perm_ok
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
+from config import ConfigError
 from model import SeqOut, StepTools
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -49,6 +50,10 @@ MAX_KEYS_OUT = 26              # option keys A..Z
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128)   # batch sizes with a decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
+# kv_tokens=0: the KV pool takes KV_AUTO_FRACTION of the device memory still free once the weights, the workspaces
+# and the vision tower are in, less KV_AUTO_RESERVE (the decode graphs, the driver, other kernels' scratch), as
+# whole blocks, at most kv_cap positions (the engine: max_batch x max_len) and at least KV_AUTO_MIN (auto_kv_tokens).
+KV_AUTO_FRACTION, KV_AUTO_RESERVE, KV_AUTO_MIN = 0.9, 2 << 30, 4096
 # Bytes of bf16 weight copies kept for the `_ss` prefill launches (layers.linear cache_w16: whole launches, the
 # o_proj ones first, then q+k+v, layer by layer), so that those launches make no copy of their own. They count as
 # weight memory (the full-size model: 14.94 GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0:
@@ -56,9 +61,26 @@ MAX_IMAGES = 64                # images of one sequence in one eager step (the s
 W16_KEEP_BYTES = 1 << 30
 
 
+def kv_position_bytes(cfg):
+    """Device bytes of one KV position: K and V of every layer (bf16; the pools keep both even where K = V)."""
+    return sum(2 * geo.kv_heads * geo.head_dim * 2 for geo in cfg.text.layers)
+
+
+def auto_kv_tokens(cfg, free_bytes, cap):
+    """The KV pool's positions for kv_tokens=0 (see KV_AUTO_FRACTION): whole blocks, at most cap. Raises ConfigError
+    (a clear message, no traceback from span02.py) when fewer than KV_AUTO_MIN (or cap) positions fit."""
+    room = int(free_bytes * KV_AUTO_FRACTION) - KV_AUTO_RESERVE
+    n = min(max(room, 0) // kv_position_bytes(cfg), cap) // BLOCK * BLOCK
+    least = max(min(KV_AUTO_MIN, cap) // BLOCK * BLOCK, BLOCK)
+    if n < least:
+        raise ConfigError(f"{free_bytes / 2**30:.1f} GiB of device memory free after the weights: room for {n} KV "
+                          f"positions, fewer than {least}; free memory or pass --kv-tokens")
+    return n
+
+
 class GpuModel(StepTools):
     def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=2048, max_seqs=256, max_len=8192, name="model",
-                 graphs=True):
+                 graphs=True, kv_cap=None):
         t = cfg.text
         self.cfg, self.name, self.device = cfg, name, "gpu"
         self.prune_last, self.pruned_steps = True, 0    # the last layer on the head's rows only (module docstring)
@@ -96,6 +118,10 @@ class GpuModel(StepTools):
             self.w16_kept = linear.cache_w16(g, [[w["self_attn.o_proj"]] for w in self.layers] + [
                 self._qkv(i) for i in range(len(self.layers))], W16_KEEP_BYTES)
         self.weight_bytes = g.allocated_bytes
+        self._workspace()
+        self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
+        if kv_tokens <= 0:
+            kv_tokens = auto_kv_tokens(cfg, g.mem_free(), kv_cap or max_seqs * max_len)
         # per layer: K and V pools (blocks, 16, Hkv, D) bf16. With graphs the last block is the decode pad rows'
         # scratch block: the users (scheduler) see num_blocks = one fewer.
         pool_blocks = max(2 if graphs else 1, math.ceil(kv_tokens / BLOCK))
@@ -103,8 +129,6 @@ class GpuModel(StepTools):
         self.scratch_block = pool_blocks - 1 if graphs else None
         self.k_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
         self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
-        self._workspace()
-        self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
         self.decode_graphs, self.graph_launches, self._dec = {}, {}, {}    # per bucket B: Graph, launches, buffers
         self.decode_graph_steps = 0                                        # steps served by a replay
         self.stats = {"launches_per_decode_step": {}, "host_syncs_per_decode_step": 1}

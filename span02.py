@@ -51,7 +51,8 @@ def _serve_args(p):
     a("--max-len", type=int, default=d.max_len, help="longest sequence, stem + thought, in tokens (default %(default)s)")
     a("--max-batch", type=int, default=d.max_batch, help="most sequences in one engine step (default %(default)s)")
     a("--kv-tokens", type=int, default=d.kv_tokens,
-      help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: 16384)")
+      help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: on the GPU 90%% "
+           "of the memory free after the weights, less 2 GiB, at most max-batch x max-len; on the CPU 16384)")
     a("--tau", type=float, default=dp.tau, help="gate: answer at once when max probability >= tau (default %(default)s)")
     a("--cap", type=int, default=dp.cap, help="most thought tokens per question (default %(default)s)")
     a("--think-ms", type=float, default=dp.think_ms,
@@ -96,7 +97,7 @@ def engine_config(ns) -> EngineConfig:
         raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
     return EngineConfig(
         model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
-        kv_tokens=ns.kv_tokens or 16384, quantize=ns.quantize,
+        kv_tokens=ns.kv_tokens, quantize=ns.quantize,
         policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
                             blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),
         think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
@@ -126,8 +127,11 @@ def _load_engine_parts(cfg: EngineConfig):
     from prompt import Prompter
     t0 = time.monotonic()
     log.info("loading %s on %s", cfg.model_dir, cfg.device)
-    m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize)
-    log.info("loaded in %.1f s: %d layers, %d KV blocks", time.monotonic() - t0, m.cfg.text.n_layers, m.num_blocks)
+    m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize,
+                   kv_cap=cfg.max_batch * cfg.max_len)
+    log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks%s)", time.monotonic() - t0,
+             m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks,
+             "" if cfg.kv_tokens else ", sized by free memory" if m.device == "gpu" else "")
     return m, Prompter(cfg.model_dir)
 
 

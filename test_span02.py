@@ -6030,6 +6030,45 @@ def test_peer_config_translation():
         text["num_experts"], 2 * text["moe_intermediate_size"], H)
 
 
+def test_kv_tokens_auto_size(tmp_path, monkeypatch):
+    """--kv-tokens 0 (the default): the GPU model's KV pool takes KV_AUTO_FRACTION of the memory free after weights and
+    workspaces less KV_AUTO_RESERVE, whole blocks, at most max_batch x max_len positions (the engine passes that cap),
+    and a clear ConfigError when fewer than KV_AUTO_MIN fit; the CPU model gets 16,384. A full-size position is the
+    README's 225,280 bytes."""
+    import model_gpu
+    text = dict(bench.FULL_TEXT)
+    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention" for i in range(30)]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    cfg = config.load_model_config(str(tmp_path))
+    per = model_gpu.kv_position_bytes(cfg)
+    assert per == 225_280
+    for free in (120 << 30, 40 << 30, 5 << 30):
+        want = (int(free * model_gpu.KV_AUTO_FRACTION) - model_gpu.KV_AUTO_RESERVE) // per // BLOCK * BLOCK
+        assert model_gpu.auto_kv_tokens(cfg, free, 128 * 8192) == want > 0
+    assert model_gpu.auto_kv_tokens(cfg, 120 << 30, 1000) == 992                    # the cap, in whole blocks
+    with pytest.raises(config.ConfigError, match="--kv-tokens"):
+        model_gpu.auto_kv_tokens(cfg, 3 << 30, 1 << 20)
+    ns = span02.parser().parse_args(["serve", "--max-len", "4096", "--max-batch", "32", "--device", "cpu"])
+    ecfg = span02.engine_config(ns)
+    assert ecfg.kv_tokens == 0
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(d, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(model_mod, "load", fake_load)
+    with pytest.raises(Stop):
+        span02._load_engine_parts(ecfg)
+    assert seen["kv_tokens"] == 0 and seen["kv_cap"] == 32 * 4096, seen
+    monkeypatch.undo()
+    assert model_mod.load(span02.DEMO_DIR, device="cpu", kv_tokens=0).num_blocks == model_mod.CPU_KV_TOKENS // BLOCK
+
+
 def test_peer_full_size_geometry_on_meta(tmp_path):
     text = dict(bench.FULL_TEXT)
     text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention"
