@@ -442,7 +442,7 @@ def compare(r):
 # --- everything ---------------------------------------------------------------------------------------------
 
 def run(ckpt_dir, peer=False, model=True, server=True, profile=True, device="gpu", requests=128, cap=256,
-        readout_repeats=5, server_kv_tokens=65536, peer_args=(), peer_timeout=480.0, log=print):
+        readout_repeats=5, server_kv_tokens=0, peer_args=(), peer_timeout=480.0, log=print):
     """Every figure of performance.md, part by part: the model's steps in this process (then closed), the
     server figures through HTTP (bench_server), the peer (bench_peer, subprocess). A part that fails is recorded
     under "errors" and the others still run; the last line printed is one JSON object with everything."""
@@ -505,8 +505,9 @@ def main(argv=None):
                         "%(default)s, ~2 minutes at today's speed)")
     r.add_argument("--cap", type=int, default=256, help="workload thought cap (default %(default)s)")
     r.add_argument("--readout-repeats", type=int, default=5, help="readout requests timed (default %(default)s)")
-    r.add_argument("--server-kv-tokens", type=int, default=65536,
-                   help="--kv-tokens of the benchmarked server (default %(default)s)")
+    r.add_argument("--server-kv-tokens", type=int, default=0,
+                   help="--kv-tokens of the benchmarked server (default 0: the server's own default, sized from "
+                        "the GPU's free memory; the runs before 2026-12-01's thirty-third session passed 65536)")
     r.add_argument("--device", default="gpu", choices=["gpu", "cpu", "auto"],
                    help="--device of the benchmarked server (default %(default)s; cpu for tests)")
     r.add_argument("--skip-model", action="store_true", help="skip the in-process step figures")

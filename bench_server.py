@@ -287,7 +287,7 @@ def run_workload(port, reqs, timeout=540.0):
 # --- all server figures ----------------------------------------------------------------------------------------
 
 def server_figures(model_dir, device="gpu", requests=128, cap=256, tau=0.8, questions=4, context_tokens=300,
-                   question_tokens=60, stem_tokens=512, readout_repeats=5, kv_tokens=65536, extra_args=(),
+                   question_tokens=60, stem_tokens=512, readout_repeats=5, kv_tokens=0, extra_args=(),
                    ready_timeout=300.0, workload_timeout=540.0, log=print):
     """load_s, the readout figures (a `--serial` server) and the decisions figures (a default-mode server), each
     server started on `model_dir` and stopped before the next. Returns one flat dict (module docstring)."""
