@@ -35,8 +35,8 @@
 // no copies of the activation rows they skip: T = 508 182.2 + 112.0 -> 151.8 + 98.6, T = 2048 430.8 + 290.8 ->
 // 400.6 + 284.8 (one call; launches vary by ~ +-7 us). Thirty-third session: the down epilogue's outputs through
 // shared memory as 16-byte stores (down_wg_body, 64-token tiles): a 2,048-token prefill's 30 moe_down_wg64 launches
-// 7,964 -> 7,898 us,
-// the eager step 40.67 -> 40.48 ms (medians of 10 single steps after idle, alternating in one process).
+// 7,964 -> 7,898 us, the eager step 40.67 -> 40.48 ms (medians of 10 single steps after idle, alternating in one
+// process).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -442,7 +442,7 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
                 const int tok = 8 * (n + (mi >> 1)) + j;
                 stmatrix_x4_trans(os + tok * 256 + ((piece ^ j) << 4), r0, r1,
                                   pk(tot[4 * n + 4], w2, tot[4 * n + 5], w3), pk(tot[4 * n + 6], w2, tot[4 * n + 7], w3));
-            } else {                                          // an odd last block: lanes 0 .. 15 address its two
+            } else {                                          // an odd last 8-token block: lanes 0 .. 15
                 stmatrix_x2_trans(os + (8 * n + j) * 256 + ((piece ^ j) << 4), r0, r1);
             }
         }
