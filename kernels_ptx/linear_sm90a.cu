@@ -382,10 +382,6 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
 // while the warps store; H200, with the row scales above, launch copies included: T = 2,048 q+k+v ~188 -> 181.5 us,
 // down ~59.5 -> 55.3). Named barrier 5 (the 256 compute threads): the previous tile's lines are read before new ones
 // go in, and all are in before any is read.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t a, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r0),
-                 "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
 __device__ __forceinline__ uint32_t bf16x2_scaled(float a, float b, float s) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(a, s), __fmul_rn(b, s));   // .x (a) in the low half
     return *reinterpret_cast<const uint32_t *>(&v);
@@ -409,9 +405,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc,
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const int tl = 16 * warp + 2 * k + (lane >> 4), tok = t0 + tl;
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(out + tl * 256 + ((pc ^ (tl & 7)) << 4)));
+        const uint4 v = lds128(out + tl * 256 + ((pc ^ (tl & 7)) << 4));
         if (tok >= T || row >= p0.N) continue;
         __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + row;
         if (vec && row + 8 <= p0.N) {

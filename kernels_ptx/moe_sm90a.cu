@@ -45,16 +45,6 @@
 #include "xperm.cuh"      // perm_pos / perm_col: the permuted column order
 #include "wgmma.cuh"
 
-// stmatrix of 4 / 2 transposed 8 x 8 b16 matrices (lanes 8 i .. 8 i + 7 give matrix i's 8 line addresses).
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t a, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r0),
-                 "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-__device__ __forceinline__ void stmatrix_x2_trans(uint32_t a, uint32_t r0, uint32_t r1) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(a), "r"(r0), "r"(r1)
-                 : "memory");
-}
-
 // xp (T, Kp) <- x (T, K) in the permuted order, Kp = 128 ceil(K / 128), zeros past K. grid (ceil(Kp / 8 / block),
 // T), block <= Kp / 8: one 16-byte chunk of xp (words 4 j .. 4 j + 3 of a super unit, j = 0..15) per thread, from the
 // 4-byte words at columns 32 i + perm_col(4 j) (i = 0..3) of x: a warp's 4 loads read its 2 super units' 512 bytes
@@ -450,9 +440,7 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
         for (int i = threadIdx.x; i < nq * 16; i += blockDim.x) {
             const int tok = i >> 4, p = i & 15;
             if (base + 8 * p >= H) continue;
-            uint4 v;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(os + tok * 256 + ((p ^ (tok & 7)) << 4)));
+            const uint4 v = lds128(os + tok * 256 + ((p ^ (tok & 7)) << 4));
             *reinterpret_cast<uint4 *>(o + (size_t)pos[tok] * H + base + 8 * p) = v;
         }
     };

@@ -40,6 +40,24 @@ template <int R> __device__ __forceinline__ void regs_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
+// stmatrix of 4 / 2 transposed 8 x 8 b16 matrices to shared-window addresses (lanes 8 i .. 8 i + 7 give matrix i's 8
+// line addresses; register i is matrix i's fragment, as an mma / wgmma D fragment packed to bf16x2): the epilogues
+// that put a tile's outputs token-major into shared memory (linear_sm90a.cu ws_store_tile, moe_sm90a.cu's down).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t a, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t a, uint32_t r0, uint32_t r1) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(a), "r"(r0), "r"(r1)
+                 : "memory");
+}
+// 16 bytes from a shared-window address (the same epilogues read their lines back).
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
 // cp.async of 16 bytes to a shared-window address, zero-filled where !ok (src is then not read).
 __device__ __forceinline__ void cp_async16s(uint32_t dst, const void *src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
