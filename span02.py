@@ -129,9 +129,9 @@ def _load_engine_parts(cfg: EngineConfig):
     log.info("loading %s on %s", cfg.model_dir, cfg.device)
     m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize,
                    kv_cap=cfg.max_batch * cfg.max_len)
+    sized = not cfg.kv_tokens and m.device == "gpu"          # model.load sized the pool from free memory
     log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks%s)", time.monotonic() - t0,
-             m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks,
-             "" if cfg.kv_tokens else ", sized by free memory" if m.device == "gpu" else "")
+             m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks, ", sized by free memory" if sized else "")
     return m, Prompter(cfg.model_dir)
 
 
