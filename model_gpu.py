@@ -38,7 +38,8 @@ from layers import attention, embed, linear
 from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear, x_slots_ok
-from layers.moe import moe_gpu, moe_workspace, router_gpu, upload_experts, x_perm_ok as moe_x_perm_ok
+from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_router_ok, router_gpu,
+                        upload_experts, x_perm_ok as moe_x_perm_ok)
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
@@ -47,6 +48,7 @@ from model import SeqOut, StepTools
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
 MAX_KEYS_OUT = 26              # option keys A..Z
+PA_SPARE = 8                        # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128)   # batch sizes with a decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
@@ -148,6 +150,7 @@ class GpuModel(StepTools):
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((ATTN_WORK // 4,), np.float32),
                        sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16),
+                       spare=g.empty((3 * PA_SPARE, H), BF16),       # _layer's fused router launch: unread rows
                        zn=g.empty((S, H), BF16),
                        logits=g.empty((S, t.vocab), np.float32), am=g.empty((S,), np.int32),
                        lse=g.empty((S,), np.float32), keys=g.empty((MAX_KEYS_OUT,), np.int32),
@@ -287,22 +290,34 @@ class GpuModel(StepTools):
         r = self._v("r", T, H)                                   # the MoE router's input row
         mlp_in = x_slots_ok(g, T, (w["mlp.gate_proj"], w["mlp.up_proj"]), gelu=True)   # xn straight to `_ss`
         e_perm = moe_x_perm_ok(g, T, w["experts"], t.top_k)                          # e_in straight to the experts
-        mlp_in, e_perm = post_attn_norms_gpu(g, a, x, w["post_attention_layernorm"], w["pre_feedforward_layernorm"],
-                                             w["pre_feedforward_layernorm_2"], h, xn, e_in, eps,  # h = x + norm(a)
-                                             router=(r, w["experts"]["router_scale"], H ** -0.5), xn_slots=mlp_in,
-                                             e_perm=e_perm)
+        weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
+        idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
+        norm_w = (w["post_attention_layernorm"], w["pre_feedforward_layernorm"], w["pre_feedforward_layernorm_2"])
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
         # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch). The MLP's
         # prompt launches use the GPU's one `_ss` scratch (layers.linear), so no dense launch may join the main
-        # stream's side of this window.
+        # stream's side of this window. Where the router can make its own input rows (layers.moe.post_attn_router_ok:
+        # batch 1), the norm chain runs twice from a and x, both right after o_proj: on the branch for the MLP's xn,
+        # and in the router's launch for h and e_in (each writes the rest to spare rows; the same bytes).
+        fused = T <= PA_SPARE and post_attn_router_ok(a, (x, h, xn, e_in, self.ws["spare"]) + norm_w, w["experts"],
+                                                      t.top_k)
+        spare = [self.g.view(self.ws["spare"], j * PA_SPARE * H * 2, (T, H), BF16) for j in range(3)] if fused else None
         act = self._v("act", T, I)
+        if not fused:
+            mlp_in, e_perm = post_attn_norms_gpu(g, a, x, *norm_w, h, xn, e_in, eps,            # h = x + norm(a)
+                                                 router=(r, w["experts"]["router_scale"], H ** -0.5), xn_slots=mlp_in,
+                                                 e_perm=e_perm)
         with g.branch():                                         # act = bf16(gelu(gate)) * up, then m = down(act)
+            if fused:
+                mlp_in = post_attn_norms_gpu(g, a, x, *norm_w, spare[0], xn, spare[1], eps, xn_slots=mlp_in)[0]
             m = mlp_gpu(g, xn, w["mlp.gate_proj"], w["mlp.up_proj"], w["mlp.down_proj"], act, self._v("m", T, H),
                         x_slots=mlp_in)
-        weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
-        idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
-        router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
+        if fused:
+            e_perm = post_attn_router_gpu(g, a, x, *norm_w, h, spare[2], e_in, eps, w["experts"], weights, idx,
+                                          self.moe_ws, t.top_k, e_perm=e_perm)[1]
+        else:
+            router_gpu(g, h, w["experts"], weights, idx, self.moe_ws, t.top_k, eps, r=r)
         e = moe_gpu(g, e_in, h, weights, idx, w["experts"], e, self.moe_ws, combine=False,   # its combine: below
                     x_perm=e_perm)
         g.join()

@@ -7168,6 +7168,61 @@ def test_gpu_router_bits(g, T, shape):
     assert rel.max() < 1e-4
 
 
+PA_SHAPES = [(T, MOE_REAL) for T in (1, 3, 8)] + [(5, dict(E=40, k=6, H=144)), (8, dict(E=256, k=16, H=128)),
+             (2, dict(E=40, k=6, H=3072))]
+
+
+@needs_gpu
+@pytest.mark.parametrize("T,shape", PA_SHAPES)
+def test_gpu_post_attn_router_matches_separate_launches(g, T, shape, monkeypatch):
+    """post_attn_router_gpu (linear.cu router_pa_bf16_t8: the post-attention norms and the router in one launch) gives
+    the bytes of post_attn_norms_gpu then router_gpu on fresh random rows: h, xn, e_in (in rows and in their slot /
+    permuted orders), the logits, weights and experts; counters left at zero. H = 144: fewer norm threads than the
+    router's 8 slice warps; H = 3072: 384 norm threads, the most it takes. Up to 8 rows (a CTA's token group), more
+    than the model gives it (layers.moe.PA_ROUTER_MAX_T)."""
+    monkeypatch.setattr(moe, "PA_ROUTER_MAX_T", 8)
+    E, k, H = shape["E"], shape["k"], shape["H"]
+    rng = np.random.default_rng(zlib.crc32(repr(("pa_router", T, E, H)).encode()))
+    up = lambda v: g.upload(_rt_bf16(v))                                       # noqa: E731
+    a, x = up(rng.normal(0, 3.0, (T, H)) * rng.uniform(0.1, 10, (T, 1))), up(rng.normal(0, 1.5, (T, H)))
+    w = [up(rng.normal(1, 0.4, H)) for _ in range(3)]
+    _, _, _, router = _router_setup(g, 1, E, H, 900 + T + H)
+    ws = moe.moe_workspace(g, T, E, k, H, 16)
+    for slots, perm in ((False, False), (True, True)):
+        res = {}
+        for fused in (False, True):
+            outs = [_rt_out(g, (T, H), RT_BF16) for _ in range(4)]            # h, xn, e_in, r
+            dw, di = _rt_out(g, (T, k), np.float32), _rt_out(g, (T, k), np.int32)
+            g.fill(ws["logits"], 0xFF)
+            args = (g, a, x, w[0], w[1], w[2], outs[0], outs[1], outs[2], RT_EPS)
+            if fused:
+                flags = moe.post_attn_router_gpu(*args, router, dw, di, ws, k, xn_slots=slots, e_perm=perm)
+            else:
+                flags = post_attn_norms_gpu(*args, router=(outs[3], router["router_scale"], H ** -0.5),
+                                            xn_slots=slots, e_perm=perm)
+                moe.router_gpu(g, outs[0], router, dw, di, ws, k, RT_EPS, r=outs[3])
+            assert not np.any(g.download(ws["counters"])), f"fused={fused}: arrival counters not reset"
+            res[fused] = (flags, [g.download(v) for v in outs[:3] + [dw, di]] + [g.download(ws["logits"])[:T].copy()])
+        assert res[True][0] == res[False][0] == (slots and H % 64 == 0, perm and H % 128 == 0)
+        for name, f, s in zip(("h", "xn", "e_in", "weights", "idx", "logits"), res[True][1], res[False][1]):
+            assert f.tobytes() == s.tobytes(), f"T={T} E={E} H={H} slots={slots}: {name} differs from the separate launches"
+        assert np.all(np.isfinite(res[True][1][3])) and np.all(res[True][1][4] >= 0)   # written, not the poison
+
+
+def test_post_attn_router_declines_what_it_cannot_fuse():
+    """post_attn_router_gpu launches nothing (returns None, the caller runs the two launches) above PA_ROUTER_MAX_T
+    rows and for rows wider than its norm threads cover (no GPU needed: g is never touched)."""
+    class FakeArr:
+        def __init__(self, shape, dtype):
+            self.shape, self.dtype, self.ptr = shape, np.dtype(dtype), 0
+    E, k = 16, 4
+    router = {"router_proj": FakeArr((E, 128), BF16)}
+    for T, H in ((moe.PA_ROUTER_MAX_T + 1, 128), (1, 8 * moe.PA_MAX_THREADS + 64), (1, 136)):
+        rows = [FakeArr((T, H), BF16) for _ in range(5)]
+        assert moe.post_attn_router_gpu(None, *rows[:2], None, None, None, *rows[2:], 1e-6, router,
+                                        FakeArr((T, k), np.float32), FakeArr((T, k), np.int32), {}, k) is None, (T, H)
+
+
 def test_router_rejects_unaligned_hidden():
     """H must be a multiple of 16 (the linear family's K): a clear error before any launch (no GPU needed)."""
     class FakeArr:

@@ -66,9 +66,28 @@
 // XCG (the router's kernels): X through ld.global.cg instead of ld.global.nc. ptxas may hoist an .nc load, which
 // it takes for read-only data, above griddepcontrol.wait (it did in the router's `_t16` form: X read before the
 // previous kernel had written it); a .cg load stays after the wait. Same bytes loaded, same arithmetic.
-template <int FMT, int NT, bool F32OUT, bool GELU, int R, bool XCG = false>
+// XS: the CTA's tokens' rows of X into shared memory (token stride K + 8 bf16) once the previous kernel is done.
+struct XStage {
+    __device__ __forceinline__ void operator()(uint8_t *xs, const __nv_bfloat16 *__restrict__ X, int K, int t0,
+                                               int ntok) const {
+        pdl_wait();
+        const int cpt = K >> 3;                               // 16-byte chunks per token row
+        for (int idx = threadIdx.x; idx < ntok * cpt; idx += SLICES * 32) {
+            const int tk = idx / cpt, c = idx - tk * cpt;
+            cp_async16(xs + ((size_t)tk * (K + 8) + 8 * c) * 2, X + (size_t)(t0 + tk) * K + 8 * c, true);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+};
+// XF (XS only): what fills the shared rows instead (router_pa_bf16_t8 makes them itself), called by every thread
+// after the weight ring's prologue, ending with a barrier. WARPS > SLICES (XS only): the CTA has more warps than K
+// slices (the norms before the router take a thread an 8-vector of the row); warps SLICES.. compute no slice.
+template <int FMT, int NT, bool F32OUT, bool GELU, int R, bool XCG = false, int WARPS = SLICES, class XF = XStage>
 __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
-                                         const Proj &q1, const Proj &q2, const Proj &q3) {
+                                         const Proj &q1, const Proj &q2, const Proj &q3, const XF &xfill = XF{}) {
+    static_assert(WARPS == SLICES || (WARPS > SLICES && NT == 1), "more warps than slices: the XS form only");
     constexpr int M = GELU ? 2 : 1;                           // jobs (row tiles of different W) per CTA
     constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
     constexpr bool XS = NT == 1;                              // X staged in smem
@@ -86,8 +105,8 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     const int t0 = blockIdx.y * (8 * NT);                     // first token of this CTA
     const int rg = row0 + g, rh = row0 + g + 8;               // the lane's two W rows
     const int units = (K + 63) >> 6;                          // 64-wide K units
-    const int cnt = warp < units ? (units - warp + SLICES - 1) / SLICES : 0;   // units of slice `warp`
-    const int total = M * cnt;                                // items of this warp
+    const int cnt = warp < units && (WARPS == SLICES || warp < SLICES) ? (units - warp + SLICES - 1) / SLICES : 0;
+    const int total = M * cnt;                                // items of this warp (slice `warp`'s units)
 
     float acc[M][NT][4];
 #pragma unroll
@@ -147,17 +166,7 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
 
     const int xstr = K + 8;                                   // XS: smem token stride (bf16)
     const int ntok = min(8, T - t0);                          // XS: real tokens of this CTA (>= 1)
-    if (XS) {
-        pdl_wait();
-        const int cpt = K >> 3;                               // 16-byte chunks per token row
-        for (int idx = threadIdx.x; idx < ntok * cpt; idx += SLICES * 32) {
-            const int tk = idx / cpt, c = idx - tk * cpt;
-            cp_async16(xs_smem + ((size_t)tk * xstr + 8 * c) * 2, X + (size_t)(t0 + tk) * K + 8 * c, true);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+    if (XS) xfill(xs_smem, X, K, t0, ntok);
 
     for (int base = 0; base < total; base += R) {
 #pragma unroll
@@ -215,10 +224,11 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     float v[M][PER];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
+        if (WARPS == SLICES || warp < SLICES)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) red[warp][n * 4 + i][lane] = acc[m][n][i];
+                for (int i = 0; i < 4; ++i) red[warp][n * 4 + i][lane] = acc[m][n][i];
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < PER; ++k) {
@@ -860,6 +870,7 @@ DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, t
 // (>= token groups) int, weights (T, k) f32, idx (T, k) int32, E (<= 256), k (<= 16). block 256; grid (ceil(E/16)
 // | `_s` ceil(E/64), token groups); dynamic smem as the gemm_bf16_f32 kernel of the same suffix (`_s`: RS_SMEM).
 #include "topk.cuh"
+#include "norm_rows.cuh"   // the post-attention norms' rows (router_pa_bf16_t8)
 #define ROUTER_PARAMS                                                                                          \
     const __nv_bfloat16 *__restrict__ X, int T, int K, const __nv_bfloat16 *__restrict__ W,                 \
     const float *__restrict__ pes, float *logits, int *counters, float *__restrict__ weights,                \
@@ -872,6 +883,45 @@ DEC2_KERNEL(gemm_bf16_f32_sn8m1r3b1, FMT_BF16, 8, 1, true, false, 3, 1, false, t
     }
 ROUTER_DEC(router_bf16_t8, 1, 3, 2)
 ROUTER_DEC(router_bf16_t16, 2, 2, 2)
+// `_pa_t8` (decode): the post-attention norms and the router in ONE launch. Every CTA of a token group makes the
+// group's router input rows itself, with elementwise.cu's post_attn_norms arithmetic (norm_rows.cuh post_attn_row:
+// the same bytes), straight into the shared rows that `_t8` stages X in, while its weight ring loads; CTA 0 of the
+// group also stores h, xn and e_in. Then `_t8`'s logits and top-k. The norms' launch and the router's X staging, a
+// dependency each, are gone; the rows' norms are made ceil(E / 16) times over (a few KB each). Arguments: those of
+// post_attn_norms_pre_bf16 without r (the router's input never leaves the CTA), then ROUTER_PARAMS without X;
+// block max(256, TPR) (TPR = 32 ceil(K / 256) <= PA_MAX_WARPS * 32: a thread an 8-vector of the row, as the norm
+// kernels; warps past the 8 K slices only norm), grid (ceil(E / 16), ceil(T / 8)), dynamic smem min(T, 8) (K + 8) 2 B.
+// A CTA norms its rows one after the other: layers/moe.py takes it for 1-2 rows (PA_ROUTER_MAX_T, measured there).
+#define PA_MAX_WARPS 12
+struct PaRows {
+    bf16 *h, *xn, *e_in;
+    const bf16 *a, *x, *w_pa, *w_pf, *w_pf2, *r_scale;
+    float root, eps;
+    int xn_slots, e_perm;
+    __device__ __forceinline__ void operator()(uint8_t *xs, const __nv_bfloat16 *, int K, int t0, int ntok) const {
+        __shared__ float sums0[32], sums1[32];
+        const int c = threadIdx.x * 8;
+        PostAttnW pw;
+        post_attn_weights<true>(pw, w_pa, w_pf, w_pf2, r_scale, c, c < K, true);
+        pdl_wait();
+        for (int j = 0; j < ntok; ++j)
+            post_attn_row<true>(pw, h, xn, e_in, a, x, w_pa, w_pf, w_pf2, K, eps,
+                                reinterpret_cast<bf16 *>(xs) + (size_t)j * (K + 8), 0, r_scale, root, xn_slots, e_perm,
+                                (size_t)(t0 + j) * K, blockIdx.x == 0, sums0, sums1);
+        __syncthreads();                                      // the rows, for every slice's warp
+    }
+};
+extern "C" __global__ void __launch_bounds__(PA_MAX_WARPS * 32, 1) router_pa_bf16_t8(
+    bf16 *__restrict__ h, bf16 *__restrict__ xn, bf16 *__restrict__ e_in, const bf16 *__restrict__ a,
+    const bf16 *__restrict__ x, const bf16 *__restrict__ w_pa, const bf16 *__restrict__ w_pf,
+    const bf16 *__restrict__ w_pf2, const bf16 *__restrict__ r_scale, float root, float eps, int xn_slots, int e_perm,
+    int T, int K, const __nv_bfloat16 *__restrict__ W, const float *__restrict__ pes, float *logits, int *counters,
+    float *__restrict__ weights, int *__restrict__ idx, int E, int k) {
+    const Proj p = {W, nullptr, 0, logits, E};
+    const PaRows rows = {h, xn, e_in, a, x, w_pa, w_pf, w_pf2, r_scale, root, eps, xn_slots, e_perm};
+    dec_body<FMT_BF16, 1, true, false, 3, true, PA_MAX_WARPS, PaRows>(nullptr, T, K, p, p, p, p, rows);
+    arrive_then_topk<1>(counters, logits, pes, weights, idx, blockIdx.y * 8, 8, T, E, k);
+}
 // `_s` (long prompts): the prefill tile's shape (`_p`: 64 experts x 32 tokens a CTA, grid (ceil(E / 64), token
 // groups)) with the K slices on the warps: warp w walks slice w's units w, w + 8, .. (mma_unit into one fp32
 // accumulator set for the whole tile, from 0.0f, ascending), then the 8 slice partials meet in shared memory and each

@@ -50,7 +50,7 @@ def experts(y, weights, idx, gate_up, down):
 #     rounding); out[t] = bf16(fp32 sum of the token's o rows in increasing expert index: the reference's order).
 import ml_dtypes  # noqa: E402
 
-from layers.norm import router_input_gpu  # noqa: E402
+from layers.norm import fused_tpr, router_input_gpu  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -189,6 +189,14 @@ def moe_workspace(g, T, E, k, H, I):
                 tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32))
 
 
+def _router_workspace(workspace, T, E):
+    """The router's logits (>= T, E) f32 and arrival counters (>= one a 4 rows) in moe_workspace's dict."""
+    logits, counters = workspace["logits"], workspace["counters"]
+    if logits.shape[0] < T or logits.shape[1] != E or counters.shape[0] < (T + 3) // 4:
+        raise ValueError(f"workspace logits {logits.shape} / counters too small for T={T}, E={E}")
+    return logits, counters
+
+
 def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     """h (T, H) bf16 raw residual -> weights (T, k) f32, idx (T, k) i32 (descending probability): one launch of
     linear.cu's router kernels over r, the router's input row (layers.norm: post_attn_norms_gpu(router=...) makes
@@ -202,9 +210,7 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
         raise ValueError(f"router: need H % 16 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
     if router["router_proj"].ptr % 16:
         raise ValueError("router_gpu: router_proj needs 16-byte alignment")
-    logits, counters = workspace["logits"], workspace["counters"]
-    if logits.shape[0] < T or logits.shape[1] != E or counters.shape[0] < (T + 3) // 4:
-        raise ValueError(f"workspace logits {logits.shape} / counters too small for T={T}, E={E}")
+    logits, counters = _router_workspace(workspace, T, E)
     if r is None:
         r = g.view(workspace["r"], 0, (T, H), bf)
         router_input_gpu(g, h, router["router_scale"], r, eps, H ** -0.5)
@@ -234,6 +240,53 @@ def router_kernel(T):
     14.0 / 17.2 / - / 23.2 (507 tokens) / - / - / 77.8); never the fastest and removed: the 32- and 64-token decode
     tiles, three dec2_body shared-ring forms, t16 through ld.global.nc."""
     return "t16" if T <= 8 else "t8" if T <= 128 else "t16" if T <= 1024 else "s"
+
+
+# The post-attention norms and the router in one launch (linear.cu router_pa_bf16_t8) up to PA_ROUTER_MAX_T rows
+# (decode; None: never): the bytes of post_attn_norms_gpu then router_gpu, with the router's input rows made in its
+# CTAs (no r round trip, one dependency fewer). The model (model_gpu._layer) then runs the norm chain a second time on
+# the MLP's branch, so that the branch still starts right after o_proj: forked after the router instead, it cost more
+# than the fusion saves. A CTA norms its token group's rows one after the other, so the launch grows with the rows.
+# H200, decode graphs of the full-size model in one process, 6 alternating rounds, medians, ms a step (thirty-fifth
+# session): two launches / one up to 1 row / one up to 2 rows: batch 1 2.4547 / 2.4286 / 2.4323, batch 2 2.9537 /
+# 2.9546 / 2.9380, batch 4 4.0116 / 4.0182 / 4.0161 (none fused). With the branch forked after the router: batch 1
+# 2.558 (two launches) / 2.527 (one), batch 8 5.368 / 5.742.
+PA_ROUTER_MAX_T = 2
+PA_MAX_THREADS = 384                    # linear.cu PA_MAX_WARPS * 32: the norms' threads a row (n <= 3072)
+
+
+def post_attn_router_ok(a, arrays, router, top_k):
+    """Whether post_attn_router_gpu takes these rows a (T, H) (arrays: the other rows and weights it reads or
+    writes, for their alignment)."""
+    T, H = a.shape
+    E = router["router_proj"].shape[0]
+    tpr = fused_tpr(a)
+    return (PA_ROUTER_MAX_T is not None and 1 <= T <= PA_ROUTER_MAX_T and tpr is not None and tpr <= PA_MAX_THREADS
+            and H % 16 == 0 and E <= 256 and 1 <= top_k <= min(16, E)
+            and not any(v.ptr % 16 for v in (a, router["router_scale"], router["router_proj"]) + tuple(arrays)))
+
+
+def post_attn_router_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router, weights, idx, workspace, top_k,
+                         xn_slots=False, e_perm=False):
+    """layers.norm.post_attn_norms_gpu(a, x, .., router=(r, router_scale, H^-0.5)) and router_gpu(h, .., r=r) in
+    one launch, without r leaving the GPU's CTAs: h, xn, e_in, weights and idx get the same bytes. Returns
+    (xn_slots, e_perm) as post_attn_norms_gpu does, or None (nothing launched) where post_attn_router_ok says no."""
+    T, H = a.shape
+    E = router["router_proj"].shape[0]
+    bf = _bf16()
+    if not post_attn_router_ok(a, (x, h, xn, e_in, w_pa, w_pf, w_pf2), router, top_k):
+        return None
+    for v in (x, h, xn, e_in):
+        _check(v, (T, H), bf, "post_attn_router rows")
+    _check(weights, (T, top_k), np.float32, "weights"); _check(idx, (T, top_k), np.int32, "idx")
+    logits, counters = _router_workspace(workspace, T, E)
+    slots, perm = bool(xn_slots) and H % 64 == 0, bool(e_perm) and H % 128 == 0
+    g.launch(g.module("linear").function("router_pa_bf16_t8"), grid=(-(-E // 16), -(-T // 8)),
+             block=(max(256, fused_tpr(a)),), shared=min(T, 8) * (H + 8) * 2, nbytes=E * H * 2, flops=2 * T * E * H,
+             pdl=True, args=[h, xn, e_in, a, x, w_pa, w_pf, w_pf2, router["router_scale"], float(H ** -0.5),
+                               float(eps), int(slots), int(perm), T, H, router["router_proj"], router["router_pes"],
+                               logits, counters, weights, idx, E, top_k])
+    return slots, perm
 
 
 def router_launch(g, name, r, router, logits, counters, weights, idx, top_k):

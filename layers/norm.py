@@ -45,7 +45,7 @@ def rmsnorm_gpu(g, x, w, out, eps, add=None, scale=None, ld_x=None, ld_out=None)
     g.launch(f, grid=(-(-rows // rpb), 1, 1), block=(tpr, rpb, 1), args=args + [vec])
 
 
-def _fused_tpr(x):
+def fused_tpr(x):
     """Threads per row of the fused norm chains: rmsnorm_gpu's layout for n (one 8-vector per thread), or None
     when that layout has several vectors per thread or the rows are not 16-byte aligned (then the chain runs as
     separate rmsnorm_gpu launches, the same bytes)."""
@@ -88,7 +88,7 @@ def post_attn_norms_gpu(g, a, x, w_pa, w_pf, w_pf2, h, xn, e_in, eps, router=Non
     T, n = a.shape
     for v in (x, h, xn, e_in) + ((router[0],) if router else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
-    tpr = _fused_tpr(a)
+    tpr = fused_tpr(a)
     if tpr is None or any(v.ptr % 16 for v in (x, h, xn, e_in, w_pa, w_pf, w_pf2) + (router[:2] if router else ())):
         rmsnorm_gpu(g, a, w_pa, h, eps, add=x)
         rmsnorm_gpu(g, h, w_pf, xn, eps)
@@ -109,7 +109,7 @@ def router_input_gpu(g, h, scale, r, eps, root):
     the bytes post_attn_norms_gpu(router=...) gives. Needs n % 8 == 0, n <= 8192, 16-byte aligned rows."""
     T, n = h.shape
     assert h.dtype == r.dtype == BF16 and r.shape == (T, n) and scale.shape == (n,), (h, r, scale)
-    tpr = _fused_tpr(h)
+    tpr = fused_tpr(h)
     if tpr is None or r.ptr % 16 or scale.ptr % 16:
         raise ValueError(f"router_input_gpu: needs n % 8 == 0, n <= 8192 and 16-byte aligned rows (n={n})")
     g.launch(g.module("elementwise").function("router_input_bf16"), grid=(T,), block=(tpr,),
@@ -128,7 +128,7 @@ def post_ffn_norms_gpu(g, m, e, h, w1, w2, w3, scale, x, eps, w_next=None, xn=No
     pairs = e if hasattr(e, "combine") else None
     for v in (h, x) + ((xn,) if w_next is not None else ()) + ((e,) if pairs is None else ()):
         assert v.dtype == BF16 and v.shape == (T, n), v
-    tpr = _fused_tpr(m)
+    tpr = fused_tpr(m)
     ws = (w1, w2, w3) + ((w_next,) if w_next is not None else ())
     src = pairs.o if pairs is not None else e
     if tpr is None or any(v.ptr % 16 for v in (src, h, x) + ws) or (xn is not None and xn.ptr % 16):
