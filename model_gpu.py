@@ -48,7 +48,7 @@ from model import SeqOut, StepTools
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
 MAX_KEYS_OUT = 26              # option keys A..Z
-PA_SPARE = 8                        # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
+PA_SPARE = 8                   # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128)   # batch sizes with a decode graph (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
@@ -150,8 +150,8 @@ class GpuModel(StepTools):
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((ATTN_WORK // 4,), np.float32),
                        sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16),
-                       spare=g.empty((3 * PA_SPARE, H), BF16),       # _layer's fused router launch: unread rows
                        zn=g.empty((S, H), BF16),
+                       spare=g.empty((3 * PA_SPARE, H), BF16),       # _layer's fused router launch: unread rows
                        logits=g.empty((S, t.vocab), np.float32), am=g.empty((S,), np.int32),
                        lse=g.empty((S,), np.float32), keys=g.empty((MAX_KEYS_OUT,), np.int32),
                        keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
