@@ -66,6 +66,30 @@
 // XCG (the router's kernels): X through ld.global.cg instead of ld.global.nc. ptxas may hoist an .nc load, which
 // it takes for read-only data, above griddepcontrol.wait (it did in the router's `_t16` form: X read before the
 // previous kernel had written it); a .cg load stays after the wait. Same bytes loaded, same arithmetic.
+// The A fragments a[step j][reg] of one 64-wide unit for mma_unit, from the lane's 16 columns of its two W rows:
+// w[0] row g, w[1] row g + 8, WV 16-byte pieces each (the header's fragment layout): bf16 words as loaded (WV = 2),
+// fp8 words converted exactly (WV = 1; word j = columns 16q + 4j .. + 3 -> (cols +0, +1), (cols +2, +3)).
+template <int FMT, int WV>
+__device__ __forceinline__ void unit_frags(const uint4 (&w)[2][WV], uint32_t (&a)[4][4]) {
+    if constexpr (FMT == FMT_BF16) {
+        // word m of a row's 16 columns = columns 16q + 2m, + 1 (a bf16 pair); step j takes words 2j, 2j + 1
+        const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&w[0][0]);   // 8 words, row g
+        const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&w[1][0]);   // 8 words, row g + 8
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
+        }
+    } else {
+        const uint32_t rgw[4] = {w[0][0].x, w[0][0].y, w[0][0].z, w[0][0].w};
+        const uint32_t rhw[4] = {w[1][0].x, w[1][0].y, w[1][0].z, w[1][0].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
+            e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
+        }
+    }
+}
+
 // XS: the CTA's tokens' rows of X into shared memory (token stride K + 8 bf16) once the previous kernel is done.
 struct XStage {
     __device__ __forceinline__ void operator()(uint8_t *xs, const __nv_bfloat16 *__restrict__ X, int K, int t0,
@@ -177,24 +201,7 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
             const int u = warp + SLICES * (i - m * cnt);
             const int kk = (u << 6) + 16 * q;
             uint32_t a[4][4];                                 // [step j][fragment reg]
-            if (FMT == FMT_BF16) {
-                // row word m of the lane's 16 columns = columns 16q+2m, +1 (bf16 pair); step j uses words 2j, 2j+1
-                const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wsl[r][0][0]);   // 8 words, row g
-                const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wsl[r][1][0]);   // 8 words, row g+8
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
-                }
-            } else {
-                // fp8 word j = columns 16q+4j .. +3 -> (lo = cols +0,+1, hi = cols +2,+3)
-                const uint32_t rgw[4] = {wsl[r][0][0].x, wsl[r][0][0].y, wsl[r][0][0].z, wsl[r][0][0].w};
-                const uint32_t rhw[4] = {wsl[r][1][0].x, wsl[r][1][0].y, wsl[r][1][0].z, wsl[r][1][0].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
-                    e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
-                }
-            }
+            unit_frags<FMT, WV>(wsl[r], a);
             const float bs = FMT == FMT_FP8BLK ? bsl[r] : 0.f;
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
@@ -385,25 +392,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
                         for (int v = 0; v < WV; ++v) wsl[0][mt][h][v] = sp[((mt * 2 + h) * WV + v) * 32];
             }
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (FMT == FMT_BF16) {
-                    const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&wsl[rs][mt][0][0]);
-                    const uint32_t *rhw = reinterpret_cast<const uint32_t *>(&wsl[rs][mt][1][0]);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        a[mt][j][0] = rgw[2 * j]; a[mt][j][1] = rhw[2 * j];
-                        a[mt][j][2] = rgw[2 * j + 1]; a[mt][j][3] = rhw[2 * j + 1];
-                    }
-                } else {
-                    const uint32_t rgw[4] = {wsl[rs][mt][0][0].x, wsl[rs][mt][0][0].y, wsl[rs][mt][0][0].z, wsl[rs][mt][0][0].w};
-                    const uint32_t rhw[4] = {wsl[rs][mt][1][0].x, wsl[rs][mt][1][0].y, wsl[rs][mt][1][0].z, wsl[rs][mt][1][0].w};
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        e4m3x4_to_bf16x4(rgw[j], a[mt][j][0], a[mt][j][2]);
-                        e4m3x4_to_bf16x4(rhw[j], a[mt][j][1], a[mt][j][3]);
-                    }
-                }
-            }
+            for (int mt = 0; mt < MT; ++mt) unit_frags<FMT, WV>(wsl[rs][mt], a[mt]);
             const float bs = FMT == FMT_FP8BLK ? bsl[r] : 0.f;
             load(i + R, wsl[rs], bsl[r], sslot(r));           // refill the slot now (no-op past the end)
 #pragma unroll
@@ -523,25 +512,16 @@ __device__ __forceinline__ void stage_load(uint8_t *sw, uint8_t *sx, const void 
 // mma_unit: bf16 words as stored, fp8 converted exactly (e4m3x4_to_bf16x4).
 template <int FMT, int WSTRIDE>
 __device__ __forceinline__ void stage_a(const uint8_t *sw, int r1, int q, uint32_t (&a)[4][4]) {
-    if (FMT == FMT_BF16) {
-        uint4 v[4] = {*reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q),
-                      *reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q + 16),
-                      *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q),
-                      *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q + 16)};
-        const uint32_t *rgw = reinterpret_cast<const uint32_t *>(&v[0]), *rhw = reinterpret_cast<const uint32_t *>(&v[2]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            a[j][0] = rgw[2 * j]; a[j][1] = rhw[2 * j]; a[j][2] = rgw[2 * j + 1]; a[j][3] = rhw[2 * j + 1];
-        }
+    if constexpr (FMT == FMT_BF16) {
+        const uint4 w[2][2] = {{*reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q),
+                                *reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 32 * q + 16)},
+                               {*reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q),
+                                *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 32 * q + 16)}};
+        unit_frags<FMT, 2>(w, a);
     } else {
-        const uint4 vg = *reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 16 * q);
-        const uint4 vh = *reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 16 * q);
-        const uint32_t rgw[4] = {vg.x, vg.y, vg.z, vg.w}, rhw[4] = {vh.x, vh.y, vh.z, vh.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            e4m3x4_to_bf16x4(rgw[j], a[j][0], a[j][2]);
-            e4m3x4_to_bf16x4(rhw[j], a[j][1], a[j][3]);
-        }
+        const uint4 w[2][1] = {{*reinterpret_cast<const uint4 *>(sw + r1 * WSTRIDE + 16 * q)},
+                               {*reinterpret_cast<const uint4 *>(sw + (r1 + 8) * WSTRIDE + 16 * q)}};
+        unit_frags<FMT, 1>(w, a);
     }
 }
 
