@@ -90,6 +90,54 @@ __device__ __forceinline__ void unit_frags(const uint4 (&w)[2][WV], uint32_t (&a
     }
 }
 
+// The decode family's end (dec_body, dec2_body): the slice partials acc of each slice warp (its MT m-tiles x NT
+// token tiles of D fragments, a set per job) through shared memory, each output summed over the slices 0..7 in order
+// (__fadd_rn from slice 0's), then store_out of rows row0 + 16 mt + .. and tokens t0 + 8 n + ... own: this warp is a
+// K slice (a CTA may have more warps: dec_body's WARPS).
+template <int FMT, int MT, int NT, int M, bool F32OUT, bool GELU>
+__device__ __forceinline__ void fold_store(const float (&acc)[M][MT][NT][4], bool own, int row0, int t0, int N, int T,
+                                           const Proj &p0, const Proj &p1) {
+    __shared__ float red[SLICES][MT * NT * 4][32];            // slice partials in D-fragment order, lane fastest
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int EL = MT * NT * 4 * 32;                      // D elements per job in the CTA
+    constexpr int PER = (EL + SLICES * 32 - 1) / (SLICES * 32);
+    float v[M][PER];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (own)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) red[warp][(mt * NT + n) * 4 + i][lane] = acc[m][mt][n][i];
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int idx = threadIdx.x + k * SLICES * 32;
+            float s = 0.f;
+            if (idx < EL) {
+                const int e = idx >> 5, l = idx & 31;         // element e of lane l's D fragments
+                s = red[0][e][l];
+#pragma unroll
+                for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
+            }
+            v[m][k] = s;
+        }
+        __syncthreads();                                      // red is rewritten by the next job
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int idx = threadIdx.x + k * SLICES * 32;
+        if (idx >= EL) break;
+        const int e = idx >> 5, l = idx & 31;
+        const int mt = MT == 1 ? 0 : e / (NT * 4), e2 = e - mt * (NT * 4);   // e = (mt * NT + n) * 4 + i
+        const int row = row0 + 16 * mt + (l >> 2) + ((e2 & 2) ? 8 : 0);   // d[2], d[3] are rows g + 8
+        const int tok = t0 + 8 * (e2 >> 2) + 2 * (l & 3) + (e2 & 1);
+        if (row < N && tok < T) store_out<FMT, F32OUT, GELU>(p0, p1, v[0][k], v[M - 1][k], row, tok);
+    }
+}
+
 // XS: the CTA's tokens' rows of X into shared memory (token stride K + 8 bf16) once the previous kernel is done.
 struct XStage {
     __device__ __forceinline__ void operator()(uint8_t *xs, const __nv_bfloat16 *__restrict__ X, int K, int t0,
@@ -116,7 +164,6 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
     constexpr bool XS = NT == 1;                              // X staged in smem
     constexpr int XN = XS ? 1 : NT;                           // X tiles per ring slot (unused when XS)
-    __shared__ float red[SLICES][NT * 4][32];                 // slice partials in D-fragment order, lane fastest
     extern __shared__ __align__(16) uint8_t xs_smem[];        // XS: (min(T,8), K + 8) bf16
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -132,13 +179,13 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     const int cnt = warp < units && (WARPS == SLICES || warp < SLICES) ? (units - warp + SLICES - 1) / SLICES : 0;
     const int total = M * cnt;                                // items of this warp (slice `warp`'s units)
 
-    float acc[M][NT][4];
+    float acc[M][1][NT][4];                                   // fold_store's shape (one m-tile)
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+            for (int i = 0; i < 4; ++i) acc[m][0][n][i] = 0.f;
 
     uint4 wsl[R][2][WV];                                      // ring: W rows g, g+8 of the item
     uint4 xsl[R][XN][2];                                      // ring: X token g of each 8-token tile (!XS)
@@ -218,48 +265,14 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
                     x1 = xsl[r][n][1];
                 }
                 const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                if (M == 2 && m) mma_unit<FMT>(acc[M - 1][n], a, xw, bs);   // static indices only
-                else mma_unit<FMT>(acc[0][n], a, xw, bs);
+                if (M == 2 && m) mma_unit<FMT>(acc[M - 1][0][n], a, xw, bs);   // static indices only
+                else mma_unit<FMT>(acc[0][0][n], a, xw, bs);
             }
             load(i + R, wsl[r], xsl[r], bsl[r]);              // refill the slot (no-op past the end)
         }
     }
 
-    // fixed-order reduction of the 8 slices per job (red reused per job), then scale / round / store
-    constexpr int EL = NT * 4 * 32;                           // D elements per job in the CTA
-    constexpr int PER = (EL + SLICES * 32 - 1) / (SLICES * 32);
-    float v[M][PER];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-        if (WARPS == SLICES || warp < SLICES)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) red[warp][n * 4 + i][lane] = acc[m][n][i];
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int idx = threadIdx.x + k * SLICES * 32;
-            float s = 0.f;
-            if (idx < EL) {
-                const int e = idx >> 5, l = idx & 31;         // element e = n*4 + i of lane l's D fragments
-                s = red[0][e][l];
-#pragma unroll
-                for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
-            }
-            v[m][k] = s;
-        }
-        __syncthreads();                                      // red is rewritten by the next job
-    }
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-        const int idx = threadIdx.x + k * SLICES * 32;
-        if (idx >= EL) break;
-        const int e = idx >> 5, l = idx & 31;
-        const int row = row0 + (l >> 2) + ((e & 2) ? 8 : 0);  // d[2], d[3] are rows g+8
-        const int tok = t0 + 8 * (e >> 2) + 2 * (l & 3) + (e & 1);
-        if (row < N && tok < T) store_out<FMT, F32OUT, GELU>(p0, p1, v[0][k], v[M - 1][k], row, tok);
-    }
+    fold_store<FMT, 1, NT, M, F32OUT, GELU>(acc, WARPS == SLICES || warp < SLICES, row0, t0, N, T, p0, p1);
 }
 
 // cp.async for the SR ring below, with "memory" clobbers: no barrier separates a lane's own smem slot reads from
@@ -296,7 +309,6 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
     constexpr int M = GELU ? 2 : 1;                           // jobs (gate, up) per CTA
     constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
     constexpr int RT = ROWS * MT;                             // N rows per CTA
-    __shared__ float red[SLICES][MT * NT * 4][32];            // slice partials in D-fragment order, lane fastest
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, q = lane & 3;
@@ -412,43 +424,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
         }
     }
 
-    // fixed-order reduction of the 8 slices per job, then scale / round / store (dec_body's, per m-tile)
-    constexpr int EL = MT * NT * 4 * 32;                      // D elements per job in the CTA
-    constexpr int PER = (EL + SLICES * 32 - 1) / (SLICES * 32);
-    float v[M][PER];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) red[warp][(mt * NT + n) * 4 + i][lane] = acc[m][mt][n][i];
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const int idx = threadIdx.x + k * SLICES * 32;
-            float s = 0.f;
-            if (idx < EL) {
-                const int e = idx >> 5, l = idx & 31;
-                s = red[0][e][l];
-#pragma unroll
-                for (int w = 1; w < SLICES; ++w) s = __fadd_rn(s, red[w][e][l]);
-            }
-            v[m][k] = s;
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int k = 0; k < PER; ++k) {
-        const int idx = threadIdx.x + k * SLICES * 32;
-        if (idx >= EL) break;
-        const int e = idx >> 5, l = idx & 31;
-        const int mt = e / (NT * 4), e2 = e - mt * (NT * 4);  // e = (mt * NT + n) * 4 + i
-        const int row = row0 + 16 * mt + (l >> 2) + ((e2 & 2) ? 8 : 0);
-        const int tok = t0 + 8 * (e2 >> 2) + 2 * (l & 3) + (e2 & 1);
-        if (row < N && tok < T) store_out<FMT, F32OUT, GELU>(p0, p1, v[0][k], v[M - 1][k], row, tok);
-    }
+    fold_store<FMT, MT, NT, M, F32OUT, GELU>(acc, true, row0, t0, N, T, p0, p1);
 }
 
 // --- prefill tile (T > 64): the same per-output arithmetic, W and X staged in shared memory --------------
