@@ -128,7 +128,6 @@ __device__ __forceinline__ void store_cols8(bf16* rowp, int c, const float* y, i
     for (int j = 0; j < 4; j++) *reinterpret_cast<uint32_t*>(rowp + (c & ~127) + perm_pos((c & 127) + 2 * j)) = w[j];
 }
 
-
 // r = bf16(bf16(bf16(f * inv) * scale) * root): the MoE router's input (no-scale norm, router.scale, H^-0.5,
 // each product rounded as transformers' bf16 model does); linear.cu's router kernels take it from here.
 __device__ __forceinline__ void router_row8(const float* f, float inv, const float* sf, float root, bf16* r) {

@@ -189,6 +189,12 @@ def moe_workspace(g, T, E, k, H, I):
                 tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32))
 
 
+def _router_fits(H, E, top_k):
+    """Whether linear.cu's router kernels take these sizes (H the linear family's K, E experts a lane's top-k
+    slots hold, k <= 16)."""
+    return H % 16 == 0 and E <= 256 and 1 <= top_k <= min(16, E)
+
+
 def _router_workspace(workspace, T, E):
     """The router's logits (>= T, E) f32 and arrival counters (>= one a 4 rows) in moe_workspace's dict."""
     logits, counters = workspace["logits"], workspace["counters"]
@@ -206,7 +212,7 @@ def router_gpu(g, h, router, weights, idx, workspace, top_k, eps, r=None):
     bf = _bf16()
     _check(h, (T, H), bf, "h"); _check(router["router_proj"], (E, H), bf, "router_proj")
     _check(weights, (T, top_k), np.float32, "weights"); _check(idx, (T, top_k), np.int32, "idx")
-    if H % 16 or E > 256 or not 1 <= top_k <= min(16, E):
+    if not _router_fits(H, E, top_k):
         raise ValueError(f"router: need H % 16 == 0, E <= 256, 1 <= k <= min(16, E) (H={H}, E={E}, k={top_k})")
     if router["router_proj"].ptr % 16:
         raise ValueError("router_gpu: router_proj needs 16-byte alignment")
@@ -262,7 +268,7 @@ def post_attn_router_ok(a, arrays, router, top_k):
     E = router["router_proj"].shape[0]
     tpr = fused_tpr(a)
     return (PA_ROUTER_MAX_T is not None and 1 <= T <= PA_ROUTER_MAX_T and tpr is not None and tpr <= PA_MAX_THREADS
-            and H % 16 == 0 and E <= 256 and 1 <= top_k <= min(16, E)
+            and _router_fits(H, E, top_k)
             and not any(v.ptr % 16 for v in (a, router["router_scale"], router["router_proj"]) + tuple(arrays)))
 
 
