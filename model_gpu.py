@@ -290,8 +290,8 @@ class GpuModel(StepTools):
         r = self._v("r", T, H)                                   # the MoE router's input row
         mlp_in = x_slots_ok(g, T, (w["mlp.gate_proj"], w["mlp.up_proj"]), gelu=True)   # xn straight to `_ss`
         e_perm = moe_x_perm_ok(g, T, w["experts"], t.top_k)                          # e_in straight to the experts
-        weights = self.g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
-        idx = self.g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
+        weights = g.view(self.ws["weights"], 0, (T, t.top_k), np.float32)
+        idx = g.view(self.ws["idx"], 0, (T, t.top_k), np.int32)
         norm_w = (w["post_attention_layernorm"], w["pre_feedforward_layernorm"], w["pre_feedforward_layernorm_2"])
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
@@ -302,7 +302,7 @@ class GpuModel(StepTools):
         # and in the router's launch for h and e_in (each writes the rest to spare rows; the same bytes).
         fused = T <= PA_SPARE and post_attn_router_ok(a, (x, h, xn, e_in, self.ws["spare"]) + norm_w, w["experts"],
                                                       t.top_k)
-        spare = [self.g.view(self.ws["spare"], j * PA_SPARE * H * 2, (T, H), BF16) for j in range(3)] if fused else None
+        spare = [g.view(self.ws["spare"], j * PA_SPARE * H * 2, (T, H), BF16) for j in range(3)] if fused else None
         act = self._v("act", T, I)
         if not fused:
             mlp_in, e_perm = post_attn_norms_gpu(g, a, x, *norm_w, h, xn, e_in, eps,            # h = x + norm(a)
