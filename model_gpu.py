@@ -295,7 +295,8 @@ class GpuModel(StepTools):
         norm_w = (w["post_attention_layernorm"], w["pre_feedforward_layernorm"], w["pre_feedforward_layernorm_2"])
         # The dense MLP (reads xn, writes act and m) and the router + experts (read h, r, e_in; write weights, idx,
         # the MoE workspace and e) are independent: the MLP runs on a branch beside them, joined before the
-        # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch). The MLP's
+        # norms that add the two. Same kernels, same bits; only their overlap changes (gpu.branch; the branch's
+        # launches are plain, not PDL, so that no grid of it waits on SMs the experts need: gpu.launch). The MLP's
         # prompt launches use the GPU's one `_ss` scratch (layers.linear), so no dense launch may join the main
         # stream's side of this window. Where the router can make its own input rows (layers.moe.post_attn_router_ok:
         # batch 1), the norm chain runs twice from a and x, both right after o_proj: on the branch for the MLP's xn,
