@@ -419,16 +419,21 @@ __device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, f
 }
 
 // gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per
-// projection: warp w computes projection w / S (0 gate, 1 up) over the super units j, j+S, .. (j = w % S), D = 3
+// projection: warp w computes projection w / S (0 gate, 1 up) over the super units j, j+S, .. (j = w % S), D = 2
 // of them in flight, storing each unit's partial; then thread n (< 16) sums row n's partials in increasing unit
 // order from 0 for both projections and writes
 //   u[p, n0+n] = bf16(gelu(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up)),  e = idx[p]  (u in PAIR order).
-// grid (I/16, P), block 64*S (launcher: S = 4 -> 256 threads, 8 warps; 352 CTAs at T=1, all resident at 3 per
-// SM; each warp <= 6 units of the 22 at H = 2816, 3 loads of 1 KB + scales in flight). x[t] staged in dynamic
-// shared (H bf16), then the partials (2 * nsu * 16 fp32): dynamic shared = 2*H + 128*nsu bytes, nsu =
-// ceil(H/128). Pairs with e outside [0, E) are skipped.
-#define GU_DIRECT_D 3
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_direct(
+// grid (I/16, P), block 64*S (launcher: S = 4 -> 256 threads, 8 warps; 352 CTAs at T=1; each warp <= 6 units of
+// the 22 at H = 2816, 2 loads of 1 KB + scales in flight). x[t] staged in dynamic shared (H bf16), then the
+// partials (2 * nsu * 16 fp32): dynamic shared = 2*H + 128*nsu bytes, nsu = ceil(H/128). Pairs with e outside
+// [0, E) are skipped.
+// Residency: 62 registers (D = 2; 4 CTAs an SM), so 3 CTAs fit beside a CTA of the dense MLP's gate/up GEMV (63
+// registers, 256 threads) that runs on the branch meanwhile, and all 352 start at once. With D = 3 (76 registers,
+// 3 an SM) only 2 fitted there and the rest entered as the GEMV's CTAs left (over ~5 us, per-CTA timestamps); D = 3
+// capped at 64 registers spilled and was slower. H200, decode graphs in one process, ms a step at batch 1 / 2 / 4:
+// 2.3354 / 2.9257 / 3.9540 -> 2.2963 / 2.8703 / 3.8485 (thirty-eighth session, BENCHMARKS.md; same bytes).
+#define GU_DIRECT_D 2
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
     const bf16* __restrict__ x,          // (T, H)
     const int* __restrict__ idx,         // (T, k)
     const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
