@@ -371,23 +371,83 @@ __device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT,
 // same IEEE adds in the same order, starting from +0.0f), only done by one thread from shared memory after the
 // warps have stored their units' partials. So the bits equal the grouped path's (and the v2 direct kernels').
 
+// Per-warp ring of NVFP4 weights in SHARED memory for the direct kernels: DS super units of the warp in flight at
+// no register cost but their scales (a register ring holds 16 registers a unit, so only 2-3 fitted). Slot r holds
+// lane l's two 16-byte pieces (rows g and g + 8 of the unit's 32 columns 32q..) at uint4 (2r + h) * 32 + l of the
+// warp's slots (lane-contiguous: conflict-free), written by that lane's own cp.async and read back by the same
+// lane after its own cp.async.wait_group (no barrier needed; the "memory" clobbers keep the compiler from moving
+// the read across the wait or the refill). The bytes are WRing's: 16-byte pieces when K % 32 == 0, else two
+// 8-byte halves, columns >= K zero-filled; the two scale bytes a row half go to registers with ldg as there. Every
+// load call commits one group (an empty one past the warp's last unit), so take(r) always waits for all groups
+// but the DS - 1 newest.
+__device__ __forceinline__ void cp_async16_m(void* smem, const void* gmem, int bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async8_m(void* smem, const void* gmem, int bytes) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(gmem), "r"(bytes) : "memory");
+}
+template <int DS>
+struct SRing {
+    uint32_t s[DS][2];
+    uint4* slots;                // the warp's DS * 2 * 32 uint4
+    const uint8_t* wr;           // the lane's row g: packed bytes, scale_row
+    const uint8_t* sr;
+    size_t rb8;                  // bytes of 8 packed rows
+    int K, nsu, q, lane;
+    bool al16;
+
+    __device__ __forceinline__ void init(const uint8_t* w_, const uint8_t* s_, int K_, int lane_, uint4* slots_) {
+        wr = w_; sr = s_; K = K_; lane = lane_; q = lane & 3; nsu = (K + 127) >> 7; al16 = (K & 31) == 0;
+        rb8 = (size_t)8 * (K >> 1); slots = slots_;
+    }
+    __device__ __forceinline__ void load(int r, int su) {
+        if (su < nsu) {
+            const int c0 = (su << 7) + 32 * q;
+            const bool lo = c0 + 16 <= K, hi = c0 + 32 <= K;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint8_t* wp = wr + h * rb8 + (c0 >> 1);
+                const uint8_t* sp = sr + h * 64 + (su << 7) + 2 * q;
+                uint4* d = slots + (2 * r + h) * 32 + lane;
+                if (al16) {                                   // c0 % 32 == 0 == K % 32: all 16 bytes or none
+                    cp_async16_m(d, hi ? (const void*)wp : (const void*)wr, hi ? 16 : 0);
+                    s[r][h] = hi ? (uint32_t)__ldg((const unsigned short*)sp) : 0u;
+                } else {
+                    cp_async8_m(d, lo ? (const void*)wp : (const void*)wr, lo ? 8 : 0);
+                    cp_async8_m((uint8_t*)d + 8, hi ? (const void*)(wp + 8) : (const void*)wr, hi ? 8 : 0);
+                    s[r][h] = (lo ? (uint32_t)__ldg(sp) : 0u) | (hi ? (uint32_t)__ldg(sp + 1) << 8 : 0u);
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    __device__ __forceinline__ void take(int r, uint4 (&w)[2], uint32_t (&sc)[2]) const {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(DS - 1) : "memory");
+        w[0] = slots[(2 * r) * 32 + lane];
+        w[1] = slots[(2 * r + 1) * 32 + lane];
+        sc[0] = s[r][0];
+        sc[1] = s[r][1];
+    }
+};
+
 // One super unit's partial of a 16-row m-tile against the (single) token row of src: part = mma chain over the
-// unit's 8 k16 steps from zero, the same operand order as nvfp4_mma_run (word m -> steps 2m, 2m+1). Ring slot r
-// holds unit su.
-template <int D>
-__device__ __forceinline__ void direct_unit_partial(float (&part)[4], const WRing<1, D>& wr, int r, const SrcRows& src,
-                                                    int su, int lane) {
+// unit's 8 k16 steps from zero, the same operand order as nvfp4_mma_run (word m -> steps 2m, 2m+1). w, sc: the
+// unit's packed rows g, g + 8 and their scale bytes (SRing::take).
+__device__ __forceinline__ void direct_unit_partial(float (&part)[4], const uint4 (&w)[2], const uint32_t (&sc)[2],
+                                                    const SrcRows& src, int su, int lane) {
     const int g = lane >> 2, q = lane & 3;
     uint32_t S[2][2];
     #pragma unroll
-    for (int h = 0; h < 2; ++h) scales_bf16x2(wr.s[r][0][h], S[h][0], S[h][1]);
+    for (int h = 0; h < 2; ++h) scales_bf16x2(sc[h], S[h][0], S[h][1]);
     #pragma unroll
     for (int i = 0; i < 4; ++i) part[i] = 0.f;
     #pragma unroll
     for (int m = 0; m < 4; ++m) {
         uint32_t a[2][4], rg[4], rh[4];
-        fp4x8_bf16(u4word(wr.w[r][0][0], m), S[0][m >> 1], rg);
-        fp4x8_bf16(u4word(wr.w[r][0][1], m), S[1][m >> 1], rh);
+        fp4x8_bf16(u4word(w[0], m), S[0][m >> 1], rg);
+        fp4x8_bf16(u4word(w[1], m), S[1][m >> 1], rh);
         a[0][0] = rg[0]; a[0][1] = rh[0]; a[0][2] = rg[1]; a[0][3] = rh[1];
         a[1][0] = rg[2]; a[1][1] = rh[2]; a[1][2] = rg[3]; a[1][3] = rh[3];
         const uint4 bv = src.b(g, su, 4 * q + m);
@@ -396,51 +456,61 @@ __device__ __forceinline__ void direct_unit_partial(float (&part)[4], const WRin
     }
 }
 
-// A warp's share of the super units of one 16-row m-tile: units j, j+S, j+2S, .. (< nsu), D of them in flight
-// in the ring (slot i % D holds the warp's i-th unit, refilled with its (i+D)-th). Unit su's partial for rows
-// g, g+8 (token column 0 = lanes q == 0: d0, d2) goes to pbuf[su*16 + g], pbuf[su*16 + g + 8].
-template <int D>
-__device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, float* pbuf, int lane, WRing<1, D>& ring) {
+// A warp's share of the super units of one 16-row m-tile: units j, j+S, j+2S, .. (< nsu), DS of them in flight
+// in the ring (slot i % DS holds the warp's i-th unit, refilled with its (i+DS)-th as soon as it is read back,
+// before its MMAs). Unit su's partial for rows g, g+8 (token column 0 = lanes q == 0: d0, d2) goes to
+// pbuf[su*16 + g], pbuf[su*16 + g + 8]. The caller has loaded units 0 .. DS-1 (ring.load(r, j + S r)).
+template <int DS>
+__device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, float* pbuf, int lane, SRing<DS>& ring) {
     const int g = lane >> 2, q = lane & 3;
     const int nsu = ring.nsu;
     const int my_n = j < nsu ? (nsu - 1 - j) / S + 1 : 0;
-    for (int i0 = 0; i0 < my_n; i0 += D) {
+    for (int i0 = 0; i0 < my_n; i0 += DS) {
         #pragma unroll
-        for (int r = 0; r < D; ++r) {
+        for (int r = 0; r < DS; ++r) {
             const int i = i0 + r;
             if (i >= my_n) break;                                    // uniform over the warp
             const int su = j + S * i;
+            uint4 w[2];
+            uint32_t sc[2];
+            ring.take(r, w, sc);
+            ring.load(r, su + S * DS);                               // the warp's (i+DS)-th unit (none past nsu)
             float part[4];
-            direct_unit_partial<D>(part, ring, r, src, su, lane);
+            direct_unit_partial(part, w, sc, src, su, lane);
             if (q == 0) { pbuf[su * 16 + g] = part[0]; pbuf[su * 16 + g + 8] = part[2]; }
-            ring.load(r, su + S * D);                                // the warp's (i+D)-th unit (zeros past nsu)
         }
     }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");         // no copy left in flight (empty groups)
 }
 
 // gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per
-// projection: warp w computes projection w / S (0 gate, 1 up) over the super units j, j+S, .. (j = w % S), D = 2
-// of them in flight, storing each unit's partial; then thread n (< 16) sums row n's partials in increasing unit
-// order from 0 for both projections and writes
+// projection: warp w computes projection w / S (0 gate, 1 up) over the super units j, j+S, .. (j = w % S),
+// GU_DIRECT_DS of them in flight in its shared ring, storing each unit's partial; then thread n (< 16) sums row n's
+// partials in increasing unit order from 0 for both projections and writes
 //   u[p, n0+n] = bf16(gelu(gate_e[n] . x[t] / g_gate) * (up_e[n] . x[t] / g_up)),  e = idx[p]  (u in PAIR order).
 // grid (I/16, P), block 64*S (launcher: S = 4 -> 256 threads, 8 warps; 352 CTAs at T=1; each warp <= 6 units of
-// the 22 at H = 2816, 2 loads of 1 KB + scales in flight). x[t] staged in dynamic shared (H bf16), then the
-// partials (2 * nsu * 16 fp32): dynamic shared = 2*H + 128*nsu bytes, nsu = ceil(H/128). Pairs with e outside
-// [0, E) are skipped.
-// Residency: 62 registers (D = 2; 4 CTAs an SM), so 3 CTAs fit beside a CTA of the dense MLP's gate/up GEMV (63
-// registers, 256 threads) that runs on the branch meanwhile, and all 352 start at once. With D = 3 (76 registers,
-// 3 an SM) only 2 fitted there and the rest entered as the GEMV's CTAs left (over ~5 us, per-CTA timestamps); D = 3
-// capped at 64 registers spilled and was slower. H200, decode graphs in one process, ms a step at batch 1 / 2 / 4:
-// 2.3354 / 2.9257 / 3.9540 -> 2.2963 / 2.8703 / 3.8485 (thirty-eighth session, BENCHMARKS.md; same bytes).
-#define GU_DIRECT_D 2
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
-    const bf16* __restrict__ x,          // (T, H)
-    const int* __restrict__ idx,         // (T, k)
-    const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
-    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
-    const float* __restrict__ gsc,       // (E, 3, 2)
-    bf16* __restrict__ u,                // (P, I) pair order
-    int H, int I, int k, int E)
+// the 22 at H = 2816). Dynamic shared: x[t] (H bf16), the partials (2 * nsu * 16 fp32), then the rings of the 2S
+// warps (DS slots of 1 KiB each): 2*H + 128*nsu + 2048*S*DS bytes, nsu = ceil(H/128) (layers/moe.py
+// _direct_shared). Pairs with e outside [0, E) are skipped.
+// The weights wait in shared memory (SRing), not in a register ring, as in moe_down_combine_direct below.
+// Residency: 63 registers and 33 KiB at DS = 3, so 4 CTAs fit an SM and 3 of them fit beside a CTA of the dense
+// MLP's gate/up GEMV that runs on the branch meanwhile (64 KiB of shared memory, 63 registers): all 352 start at
+// once. With the register ring at D = 3 (76 registers) only 2 fitted there, and the rest entered over ~5 us as the
+// GEMV's CTAs left (per-CTA timestamps, thirty-eighth session).
+// Measured (H200, decode graphs in one process, ms a step at batch 1 / 2 / 4, thirty-eighth session, BENCHMARKS.md;
+// the same bytes in every form):
+// - register ring D = 3, 3 CTAs an SM: 2.3354 / 2.9257 / 3.9540; D = 2, 4 an SM: 2.2963 / 2.8703 / 3.8485.
+// - Against D = 2 with the register-ring down kernel (2.3113 / 2.8754 / 3.8587 in that process): this kernel
+//   at DS = 3 with the shared-ring down 2.2853 / 2.8629 / 3.7903.
+// - The register-ring gate/up with the shared-ring down: 2.2880 / 2.8331 / 3.8500.
+// - More units in flight was slower: DS = 4 2.3346 / 2.8933 / 3.8712, DS = 5 2.3958 / 2.9195 / 3.9101. A batch-1
+//   launch still takes ~14 us for 17.8 MB with all its CTAs resident; what binds it is not the bytes in flight.
+#define GU_DIRECT_DS 3
+template <int DS>
+__device__ __forceinline__ void gate_up_direct_body(
+    const bf16* __restrict__ x, const int* __restrict__ idx, const uint8_t* __restrict__ gw,
+    const uint8_t* __restrict__ gs, const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
+    const float* __restrict__ gsc, bf16* __restrict__ u, int H, int I, int k, int E)
 {
     pdl_entry();
     extern __shared__ __align__(16) unsigned char smem_gud[];
@@ -450,18 +520,17 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
     const int S = blockDim.x >> 6, proj = warp / S, j = warp - proj * S;
     const int n0 = blockIdx.x * 16, nsu = (H + 127) >> 7;
     float* pbuf = (float*)(smem_gud + 2 * (size_t)H);             // [2][nsu][16] fp32 partials (2H % 16 == 0)
+    uint4* slots = (uint4*)(smem_gud + 2 * (size_t)H + 128 * (size_t)nsu) + (size_t)warp * DS * 64;
     const size_t row = (size_t)e * I + n0 + (lane >> 2);
-    const uint8_t* const wrow[1] = {(proj ? uw : gw) + row * (H >> 1)};
-    const uint8_t* const srow[1] = {(proj ? us : gs) + scale_row(row, H)};
-    WRing<1, GU_DIRECT_D> ring;
-    ring.init(wrow, srow, H, lane);
+    SRing<DS> ring;
+    ring.init((proj ? uw : gw) + row * (H >> 1), (proj ? us : gs) + scale_row(row, H), H, lane, slots);
     #pragma unroll
-    for (int r = 0; r < GU_DIRECT_D; ++r) ring.load(r, j + S * r);   // weight loads in flight before the x copy
+    for (int r = 0; r < DS; ++r) ring.load(r, j + S * r);         // weight loads in flight before the x copy
     const uint4* xr = (const uint4*)(x + (size_t)t * H);
     for (int i = threadIdx.x; i < (H >> 3); i += blockDim.x) ((uint4*)smem_gud)[i] = xr[i];
     __syncthreads();
     const SrcRows src{smem_gud, 2 * H, 1, H};
-    direct_units<GU_DIRECT_D>(src, j, S, pbuf + (size_t)proj * nsu * 16, lane, ring);
+    direct_units<DS>(src, j, S, pbuf + (size_t)proj * nsu * 16, lane, ring);
     __syncthreads();
     if (threadIdx.x < 16) {
         const int n = threadIdx.x;
@@ -476,20 +545,33 @@ extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
         u[(size_t)p * I + n0 + n] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(apply_global(accg, gg)), apply_global(accu, gu)));
     }
 }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
+    const bf16* __restrict__ x,          // (T, H)
+    const int* __restrict__ idx,         // (T, k)
+    const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
+    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
+    const float* __restrict__ gsc,       // (E, 3, 2)
+    bf16* __restrict__ u,                // (P, I) pair order
+    int H, int I, int k, int E)
+{
+    gate_up_direct_body<GU_DIRECT_DS>(x, idx, gw, gs, uw, us, gsc, u, H, I, k, E);
+}
 
 // down + combine, DIRECT: one CTA per (16 output rows n0.., token t), S = blockDim.x / (32 k) warps per slot:
 // warp w serves the token's (w / S)-th valid slot in increasing expert index (the combine order) over the super
-// units j, j+S, .. (j = w % S) of K = I, D = 2 in flight, storing each unit's partial. Then thread (r, n) (r <
-// nvalid, n < 16) sums slot r's row-n partials in increasing unit order from 0 -> o = bf16((acc / g_down) * w[p])
-// and thread n (< 16) adds the slots in order from 0: out[t, n0+n] = bf16(sum_r f32(o_r)) (moe_combine_bf16's
-// arithmetic). grid (H/16, T), block 32*k*S (launcher: S = 2 at k = 8 -> 512 threads, 16 warps; 176 CTAs at
-// T = 1, up to 2 per SM (64 registers); each warp 3 of the 6 units at I = 704, D = 2 in flight). Dynamic shared:
-// k*I bf16 (the token's u rows, slot rank order) + k*nsu*16 fp32 partials, nsu = ceil(I/128).
+// units j, j+S, .. (j = w % S) of K = I, DN_DIRECT_DS in flight in its shared ring (SRing), storing each unit's
+// partial. Then thread (r, n) (r < nvalid, n < 16) sums slot r's row-n partials in increasing unit order from 0 ->
+// o = bf16((acc / g_down) * w[p]) and thread n (< 16) adds the slots in order from 0: out[t, n0+n] =
+// bf16(sum_r f32(o_r)) (moe_combine_bf16's arithmetic). grid (H/16, T), block 32*k*S (launcher: S = 2 at k = 8 ->
+// 512 threads, 16 warps; 176 CTAs at T = 1, up to 2 per SM; each warp 3 of the 6 units at I = 704, all 3 in
+// flight before the wait). Dynamic shared: k*I bf16 (the token's u rows, slot rank order), k*nsu*16 fp32
+// partials, then the rings of the k*S warps (DS slots of 1 KiB each): 2*k*I + 64*k*nsu + 1024*k*S*DS bytes, nsu =
+// ceil(I/128).
 // PDL: launched with the attribute right after moe_gate_up_direct, which is launched WITHOUT it (so the router, or
 // the upload, that wrote idx and weights had finished before moe_gate_up_direct began, and so before this kernel
 // could launch): idx is read and the first down rows are fetched before griddepcontrol.wait; u (moe_gate_up_direct's
 // output) is read and out written only after it.
-#define DN_DIRECT_D 2
+#define DN_DIRECT_DS 3
 extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     const bf16* __restrict__ u,          // (P, I) pair order
     const int* __restrict__ idx,         // (T, k)
@@ -513,17 +595,14 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     __syncthreads();
     const int nv = nvalid;
     const bool live = sr < nv;                                    // warp-uniform
-    WRing<1, DN_DIRECT_D> ring;
-    const uint8_t* wrow[1] = {dw};
-    const uint8_t* srow[1] = {ds};
+    SRing<DN_DIRECT_DS> ring;
     if (live) {
         const int e = idx[t * k + order[sr]];
         const size_t row = (size_t)e * H + n0 + (lane >> 2);
-        wrow[0] = dw + row * (I >> 1);
-        srow[0] = ds + scale_row(row, I);
-        ring.init(wrow, srow, I, lane);
+        uint4* slots = (uint4*)(smem_dd + 2 * (size_t)k * I + 64 * (size_t)k * nsu) + (size_t)warp * DN_DIRECT_DS * 64;
+        ring.init(dw + row * (I >> 1), ds + scale_row(row, I), I, lane, slots);
         #pragma unroll
-        for (int r = 0; r < DN_DIRECT_D; ++r) ring.load(r, j + S * r);
+        for (int r = 0; r < DN_DIRECT_DS; ++r) ring.load(r, j + S * r);
     }
     pdl_wait();                                                   // u follows moe_gate_up_direct
     // the valid slots' u rows -> shared, slot rank r at r*I (all threads)
@@ -534,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
     __syncthreads();
     if (live) {
         const SrcRows src{smem_dd + (size_t)sr * I * 2, 2 * I, 1, I};
-        direct_units<DN_DIRECT_D>(src, j, S, pbuf + (size_t)sr * nsu * 16, lane, ring);
+        direct_units<DN_DIRECT_DS>(src, j, S, pbuf + (size_t)sr * nsu * 16, lane, ring);
     }
     __syncthreads();
     if (threadIdx.x < 16 * nv) {

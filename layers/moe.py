@@ -391,8 +391,8 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None, x_perm=Fals
         raise AssertionError(f"moe: a permuted x needs the wgmma path and H % 128 == 0 (path {path}, H={H})")
     if path == "direct":
         if max(_direct_shared(H, I, k)) > _DIRECT_SMEM:      # a forced path: the auto one only picks it if it fits
-            raise ValueError(f"moe_gpu: direct path needs 2*H + 128*ceil(H/128) and 2*k*I + 64*k*ceil(I/128) <= "
-                             f"{_DIRECT_SMEM} (H={H}, k={k}, I={I})")
+            raise ValueError(f"moe_gpu: the direct path's kernels would need {_direct_shared(H, I, k)} bytes of "
+                             f"shared memory, more than {_DIRECT_SMEM} (H={H}, k={k}, I={I})")
         return _experts_direct(g, x, weights, idx, ex, out, ws, T, k)
     if path == "grouped":
         return _experts_grouped(g, x, weights, idx, ex, out, ws, T, k, nt)
@@ -414,7 +414,8 @@ def _plan(g, x, weights, idx, ex, out, ws, T, k, path=None, nt=None, x_perm=Fals
 #           moe_gate_up_mma_n{NT} -> moe_down_mma_n{NT} -> moe_combine_bf16. Each tile reads its expert's
 #           weights once for up to 8*NT tokens; x / u rows stream through a cp.async pipeline.
 DIRECT_MAX_T = 4
-_DIRECT_SMEM = 44 * 1024          # dynamic shared of the direct kernels (+ ~1.1 KiB static) under the 48 KiB default
+_DIRECT_SMEM = 96 * 1024          # most dynamic shared a direct kernel takes (gpu.launch opts in above 48 KiB)
+_DIRECT_DS = (3, 3)               # moe.cu GU_DIRECT_DS, DN_DIRECT_DS: units in flight a warp (1-KiB shared slots)
 _NT_CHOICES = (1, 2, 4, 8)
 
 
@@ -425,9 +426,12 @@ def _pick_nt(P, E):
 
 
 def _direct_shared(H, I, k):
-    """Dynamic shared bytes of (moe_gate_up_direct, moe_down_combine_direct): the staged activation rows plus the
-    fp32 per-super-unit partials (2 projections x ceil(H/128) x 16 rows; k slots x ceil(I/128) x 16 rows)."""
-    return 2 * H + 128 * ((H + 127) // 128), 2 * k * I + 64 * k * ((I + 127) // 128)
+    """Dynamic shared bytes of (moe_gate_up_direct, moe_down_combine_direct): the staged activation rows, the fp32
+    per-super-unit partials (2 projections x ceil(H/128) x 16 rows; k slots x ceil(I/128) x 16 rows), then every
+    warp's ring of weights (_DIRECT_DS slots of 1 KiB; 2 S_gu warps, k S_dn warps)."""
+    s_gu, s_dn = _direct_split(H, I, k)
+    return (2 * H + 128 * ((H + 127) // 128) + 2048 * s_gu * _DIRECT_DS[0],
+            2 * k * I + 64 * k * ((I + 127) // 128) + 1024 * k * s_dn * _DIRECT_DS[1])
 
 
 def _direct_split(H, I, k):
