@@ -51,6 +51,7 @@
 
 #include "pdl.cuh"          // pdl_trigger / pdl_wait: programmatic dependent launch
 #include "linear_common.cuh" // SLICES, ROWS, mma_unit, e4m3x4_to_bf16x4, Proj, pick, cp.async, store_out
+#include "cp_async_m.cuh"    // cp.async with memory clobbers (the SR ring)
 
 // --- decode family (T <= 64): GEMV-like, weight-stream bound -------------------------------------------------
 // CTA = 8 warps = the 8 K-slices (warp w = slice w), one 16-row tile (both the gate and the up tile for gelu)
@@ -273,17 +274,6 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     }
 
     fold_store<FMT, 1, NT, M, F32OUT, GELU>(acc, WARPS == SLICES || warp < SLICES, row0, t0, N, T, p0, p1);
-}
-
-// cp.async for the SR ring below, with "memory" clobbers: no barrier separates a lane's own smem slot reads from
-// its wait and refill there, so the compiler must not move those ordinary loads across the asm.
-__device__ __forceinline__ void cp_async16_m(void *smem, const void *gmem, bool ok) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_m() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int NPEND> __device__ __forceinline__ void cp_async_wait_m() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(NPEND) : "memory");
 }
 
 // --- decode family, variant layout `dec2` (speed variants, same bits) ------------------------------------------

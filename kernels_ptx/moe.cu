@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "pdl.cuh"          // pdl_entry / pdl_trigger / pdl_wait: programmatic dependent launch
+#include "cp_async_m.cuh"   // cp.async with memory clobbers (SRing)
 #include "moe_common.cuh"   // the experts' arithmetic shared with moe_sm90a.cu (wgmma)
 #include "combine.cuh"      // slots_by_expert_warp, combine8: the combine shared with elementwise.cu
 
@@ -380,14 +381,6 @@ __device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT,
 // 8-byte halves, columns >= K zero-filled; the two scale bytes a row half go to registers with ldg as there. Every
 // load call commits one group (an empty one past the warp's last unit), so take(r) always waits for all groups
 // but the DS - 1 newest.
-__device__ __forceinline__ void cp_async16_m(void* smem, const void* gmem, int bytes) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async8_m(void* smem, const void* gmem, int bytes) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(gmem), "r"(bytes) : "memory");
-}
 template <int DS>
 struct SRing {
     uint32_t s[DS][2];
@@ -412,19 +405,19 @@ struct SRing {
                 const uint8_t* sp = sr + h * 64 + (su << 7) + 2 * q;
                 uint4* d = slots + (2 * r + h) * 32 + lane;
                 if (al16) {                                   // c0 % 32 == 0 == K % 32: all 16 bytes or none
-                    cp_async16_m(d, hi ? (const void*)wp : (const void*)wr, hi ? 16 : 0);
+                    cp_async16_m(d, hi ? (const void*)wp : (const void*)wr, hi);
                     s[r][h] = hi ? (uint32_t)__ldg((const unsigned short*)sp) : 0u;
                 } else {
-                    cp_async8_m(d, lo ? (const void*)wp : (const void*)wr, lo ? 8 : 0);
-                    cp_async8_m((uint8_t*)d + 8, hi ? (const void*)(wp + 8) : (const void*)wr, hi ? 8 : 0);
+                    cp_async8_m(d, lo ? (const void*)wp : (const void*)wr, lo);
+                    cp_async8_m((uint8_t*)d + 8, hi ? (const void*)(wp + 8) : (const void*)wr, hi);
                     s[r][h] = (lo ? (uint32_t)__ldg(sp) : 0u) | (hi ? (uint32_t)__ldg(sp + 1) << 8 : 0u);
                 }
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        cp_async_commit_m();
     }
     __device__ __forceinline__ void take(int r, uint4 (&w)[2], uint32_t (&sc)[2]) const {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(DS - 1) : "memory");
+        cp_async_wait_m<DS - 1>();
         w[0] = slots[(2 * r) * 32 + lane];
         w[1] = slots[(2 * r + 1) * 32 + lane];
         sc[0] = s[r][0];
@@ -480,7 +473,7 @@ __device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, f
             if (q == 0) { pbuf[su * 16 + g] = part[0]; pbuf[su * 16 + g + 8] = part[2]; }
         }
     }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");         // no copy left in flight (empty groups)
+    cp_async_wait_m<0>();                                        // no copy left in flight (empty groups)
 }
 
 // gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per
