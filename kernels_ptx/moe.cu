@@ -499,12 +499,16 @@ __device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, f
 // - More units in flight was slower: DS = 4 2.3346 / 2.8933 / 3.8712, DS = 5 2.3958 / 2.9195 / 3.9101. A batch-1
 //   launch still takes ~14 us for 17.8 MB with all its CTAs resident; what binds it is not the bytes in flight.
 #define GU_DIRECT_DS 3
-template <int DS>
-__device__ __forceinline__ void gate_up_direct_body(
-    const bf16* __restrict__ x, const int* __restrict__ idx, const uint8_t* __restrict__ gw,
-    const uint8_t* __restrict__ gs, const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
-    const float* __restrict__ gsc, bf16* __restrict__ u, int H, int I, int k, int E)
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
+    const bf16* __restrict__ x,          // (T, H)
+    const int* __restrict__ idx,         // (T, k)
+    const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
+    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
+    const float* __restrict__ gsc,       // (E, 3, 2)
+    bf16* __restrict__ u,                // (P, I) pair order
+    int H, int I, int k, int E)
 {
+    constexpr int DS = GU_DIRECT_DS;
     pdl_entry();
     extern __shared__ __align__(16) unsigned char smem_gud[];
     const int p = blockIdx.y, e = idx[p];
@@ -537,17 +541,6 @@ __device__ __forceinline__ void gate_up_direct_body(
         const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
         u[(size_t)p * I + n0 + n] = __float2bfloat16_rn(__fmul_rn(gelu_tanh_f(apply_global(accg, gg)), apply_global(accu, gu)));
     }
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gate_up_direct(
-    const bf16* __restrict__ x,          // (T, H)
-    const int* __restrict__ idx,         // (T, k)
-    const uint8_t* __restrict__ gw, const uint8_t* __restrict__ gs,
-    const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us,
-    const float* __restrict__ gsc,       // (E, 3, 2)
-    bf16* __restrict__ u,                // (P, I) pair order
-    int H, int I, int k, int E)
-{
-    gate_up_direct_body<GU_DIRECT_DS>(x, idx, gw, gs, uw, us, gsc, u, H, I, k, E);
 }
 
 // down + combine, DIRECT: one CTA per (16 output rows n0.., token t), S = blockDim.x / (32 k) warps per slot:
