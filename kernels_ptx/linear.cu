@@ -838,7 +838,15 @@ ROUTER_DEC(router_bf16_t16, 2, 2, 2)
 // block max(256, TPR) (TPR = 32 ceil(K / 256) <= PA_MAX_WARPS * 32: a thread an 8-vector of the row, as the norm
 // kernels; warps past the 8 K slices only norm), grid (ceil(E / 16), ceil(T / 8)), dynamic smem min(T, 8) (K + 8) 2 B.
 // A CTA norms its rows one after the other: layers/moe.py takes it for 1-2 rows (PA_ROUTER_MAX_T, measured there).
+// PA_RING: weight units in flight a warp (dec_body's register ring). At K = 2,816 a slice has 5-6 units, so 6 puts
+// every router weight in flight before the norms (1 CTA an SM: 168 registers, 68 bytes of spills) where 3 left half
+// of them for after. H200, decode graphs in one process, 6 alternating rounds of 20 steps, ms a step (thirty-ninth
+// session, BENCHMARKS.md; the same bytes): batch 1 2.2797 / 2.2783 / 2.2795 -> 2.2687 / 2.2657 / 2.2701 (the last
+// three rounds; -0.4%), batch 2 2.8486 -> 2.7859 (-2.2%); 5: batch 2 2.8174. A cluster of the 8 CTAs with the top-k
+// reading their logits through distributed shared memory (no global round trip, no atomic arrival) was slower:
+// batch 1 +0.6%, batch 2 +0.4%.
 #define PA_MAX_WARPS 12
+#define PA_RING 6
 struct PaRows {
     bf16 *h, *xn, *e_in;
     const bf16 *a, *x, *w_pa, *w_pf, *w_pf2, *r_scale;
@@ -865,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(PA_MAX_WARPS * 32, 1) router_pa_bf1
     float *__restrict__ weights, int *__restrict__ idx, int E, int k) {
     const Proj p = {W, nullptr, 0, logits, E};
     const PaRows rows = {h, xn, e_in, a, x, w_pa, w_pf, w_pf2, r_scale, root, eps, xn_slots, e_perm};
-    dec_body<FMT_BF16, 1, true, false, 3, true, PA_MAX_WARPS, PaRows>(nullptr, T, K, p, p, p, p, rows);
+    dec_body<FMT_BF16, 1, true, false, PA_RING, true, PA_MAX_WARPS, PaRows>(nullptr, T, K, p, p, p, p, rows);
     arrive_then_topk<1>(counters, logits, pes, weights, idx, blockIdx.y * 8, 8, T, E, k);
 }
 // `_s` (long prompts): the prefill tile's shape (`_p`: 64 experts x 32 tokens a CTA, grid (ceil(E / 64), token
