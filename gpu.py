@@ -229,7 +229,6 @@ class GPU:
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
         self.launch_hook = None            # called after each launch (profiling), see launch()
         self.pdl = os.environ.get("SPAN02_PDL", "1") != "0"    # programmatic dependent launch where asked
-        self.branch_pdl = False            # ... on a branch's launches too (off: see launch)
         self._pdl_attr = cu.CUlaunchAttribute()
         self._pdl_attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         self._pdl_attr.value.programmaticStreamSerializationAllowed = 1
@@ -357,7 +356,7 @@ class GPU:
         pdl: programmatic dependent launch (sm_90): the kernel may start while the previous one finishes, so it
         MUST execute `griddepcontrol.wait` before it reads anything earlier kernels write and before its first
         global write (it may fetch weights before). With `self.pdl` False every launch is plain, and so is every
-        launch on a branch (`branch()`) unless `self.branch_pdl`: a branch's PDL grid becomes resident while the
+        launch on a branch (`branch()`), always: a branch's PDL grid becomes resident while the
         branch's kernel before it runs and holds its SMs' registers until then, which the main stream's kernels
         beside it need (H200, thirty-seventh session: with the dense MLP's branch plain the batch-1 decode step went
         2.437 -> 2.345 ms; BENCHMARKS.md)."""
@@ -367,7 +366,7 @@ class GPU:
             f.max_shared = shared
         params = kernel_params(args)
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        pdl = pdl and self.pdl and (self.branch_pdl or self.stream is self.main_stream)
+        pdl = pdl and self.pdl and self.stream is self.main_stream
         if pdl:
             key = (grid, block, shared, id(self.stream))
             cfg = self._pdl_configs.get(key)
@@ -400,7 +399,7 @@ class GPU:
         must not touch what the main stream's work between the fork and the join writes (the caller's
         contract). A branch still open when the next one starts is joined first. With SPAN02_BRANCHES=0
         (`self.branches` False) the launches simply stay on the main stream.
-        The branch's own launches are plain (launch: `branch_pdl`); a PDL launch of the main stream right after the
+        The branch's own launches are plain (see launch); a PDL launch of the main stream right after the
         join gets a programmatic edge from the kernel(s) it depends on, in the other stream too: it waits
         (griddepcontrol.wait) for them like for its own stream's kernel."""
         if not self.branches:
