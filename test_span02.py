@@ -7209,6 +7209,16 @@ def test_gpu_post_attn_router_matches_separate_launches(g, T, shape, monkeypatch
         assert np.all(np.isfinite(res[True][1][3])) and np.all(res[True][1][4] >= 0)   # written, not the poison
 
 
+def test_moe_launchers_mirror_the_kernel_constants():
+    """layers.moe's copies of the kernels' compile-time sizes equal the kernel files' #defines (no GPU needed): the
+    direct kernels' ring depths (their shared memory, _direct_shared) and the fused router's most norm threads."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = {f: open(os.path.join(here, "kernels_ptx", f)).read() for f in ("moe.cu", "linear.cu")}
+    define = lambda f, name: int(re.search(rf"^#define {name} (\d+)", src[f], re.M)[1])   # noqa: E731
+    assert moe._DIRECT_DS == (define("moe.cu", "GU_DIRECT_DS"), define("moe.cu", "DN_DIRECT_DS"))
+    assert moe.PA_MAX_THREADS == 32 * define("linear.cu", "PA_MAX_WARPS")
+
+
 def test_post_attn_router_declines_what_it_cannot_fuse():
     """post_attn_router_gpu launches nothing (returns None, the caller runs the two launches) above PA_ROUTER_MAX_T
     rows and for rows wider than its norm threads cover (no GPU needed: g is never touched)."""
