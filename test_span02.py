@@ -6265,7 +6265,8 @@ def run2(g, ex, x, w, idx, path=None, nt=None, poison=True, x_perm=False):
 
 
 def all_paths(g, ex, x, w, idx):
-    """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one, the
+    """{label: out} for the auto choice, the direct path, every grouped tile width and (sm_90) every wgmma one, each
+    also in the other form of moe.WG_CHAIN (down chained to gate/up by a counter a tile, or two plain launches), the
     64-token one also with 1 and 3 row blocks a down CTA (the default is moe.WG_DOWN_BLOCKS), and where the auto
     path takes it, x in the permuted order (x_perm)."""
     res = {"auto": run2(g, ex, x, w, idx), "direct": run2(g, ex, x, w, idx, path="direct")}
@@ -6273,8 +6274,15 @@ def all_paths(g, ex, x, w, idx):
         res["wgmma_x_perm"] = run2(g, ex, x, w, idx, x_perm=True)
     for nt in moe._NT_CHOICES:
         res[f"grouped_n{nt}"] = run2(g, ex, x, w, idx, path="grouped", nt=nt)
-    for nt in wg_nts(g, ex):
-        res[f"wgmma_{8 * nt}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+    chain = moe.WG_CHAIN
+    try:
+        for nt in wg_nts(g, ex):
+            res[f"wgmma_{8 * nt}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+            moe.WG_CHAIN = not chain                                 # the other form: chained or two plain launches
+            res[f"wgmma_{8 * nt}_chain_{moe.WG_CHAIN}"] = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+            moe.WG_CHAIN = chain
+    finally:
+        moe.WG_CHAIN = chain
     default = moe.WG_DOWN_BLOCKS
     try:
         for nbd in (1, 3) if wg_nts(g, ex) else ():
@@ -6315,6 +6323,47 @@ def test_gpu_experts_real(g, real, T, seed):
     compare(f"experts real T={T} seed={seed} vs f64 (u, o rounded)", got,
             ref_experts(x.astype(np.float64), w, idx, deq, True, flips=True))
     compare(f"experts real T={T} seed={seed} vs f64", got, ref_experts(x.astype(np.float64), w, idx, deq), loose=True)
+
+
+@needs_gpu
+def test_gpu_moe_wgmma_chain_counters(g):
+    """moe.WG_CHAIN (the wgmma path's down CTAs each wait for their own tile's gate/up CTAs through a counter a tile in
+    the workspace's wg_sync): one workspace through calls of different T (so different tile counts, both tile widths)
+    gives each call the bytes of two plain launches, and every counter is back at 0 after each call (the last down
+    CTA zeroes them), as the next call needs."""
+    E, k, H, I = 6, 2, 192, 320
+    ck = make_experts(E, H, I, seed=23, modelopt_odd=True)
+    ex = moe.upload_experts(g, ck, "model.language_model.layers.3.", E, H, I)
+    if not wg_nts(g, ex):
+        pytest.skip("the wgmma path runs on sm_90 only")
+    rng = np.random.default_rng(29)
+    Tmax = 150
+    ws = moe.moe_workspace(g, Tmax, E, k, H, I)
+    out = g.empty((Tmax, H), BF16)
+    chain = moe.WG_CHAIN
+    try:
+        for T, nt in ((64, 4), (9, 4), (150, 8), (33, 8), (64, 4)):
+            x = bf(rng.normal(0, 1, (T, H)))
+            w, idx = make_routing(T, E, k, rng)
+            moe.WG_CHAIN = False
+            ref = run2(g, ex, x, w, idx, path="wgmma", nt=nt)
+            moe.WG_CHAIN = True
+            dx, dw, di = g.upload(x), g.upload(w), g.upload(idx)
+            o = g.view(out, 0, (T, H), BF16)
+            g.fill(o, 0xFF)
+            moe.moe_gpu(g, dx, None, dw, di, ex, o, ws, path="wgmma", nt=nt)
+            got = g.download(o)
+            for a in (dx, dw, di):
+                g.free(a)
+            assert got.tobytes() == ref.tobytes(), f"T={T} nt={nt}: chained != two plain launches"
+            sync = g.download(ws["wg_sync"])
+            assert not sync.any(), f"T={T} nt={nt}: counters left at {np.nonzero(sync)[0][:8]}"
+    finally:
+        moe.WG_CHAIN = chain
+        g.free(out)
+        for v in ws.values():
+            if isinstance(v, gpu.DeviceArray):
+                g.free(v)
 
 
 # --- odd small shapes: K % 32 != 0 (8-byte weight loads, partial super units), partial CTA row tiles ---------
@@ -6521,7 +6570,9 @@ def test_moe_path_choice():
         g = last["g"] = _LaunchLog(capability)
         P = T * k
         ws = dict(T=T, k=k, offsets=arr(E + 1), perm=arr(P), active=arr(E), n_active=arr(1), u=arr(P, I),
-                  o=arr(P, H), xp=arr(T, 2816), up=arr(P, 768), tiles=arr(moe._max_tiles(E, P, 8), 4), n_tiles=arr(1))
+                  o=arr(P, H), xp=arr(T, 2816), up=arr(P, 768), tiles=arr(moe._max_tiles(E, P, 8), 4), n_tiles=arr(1),
+                  wg_sync=arr(1 + moe._max_tiles(E, P, 8)))
+        last["ws"] = ws
         launches = moe._plan(g, x or arr(T, H), arr(T, k), arr(T, k), ex, arr(T, H), ws, T, k, path, nt, x_perm)
         for _, f in launches:
             f()
@@ -6553,6 +6604,9 @@ def test_moe_path_choice():
         assert launches[2] == (f"moe_sm90a.moe_gate_up_wg{ntok}", (11, maxt), shared, 4 * P * I * H), launches[2]
         assert launches[3] == (f"moe_sm90a.moe_down_wg{ntok}", (-(-22 // nbd), maxt), shared, 2 * P * I * H), \
             launches[3]
+        # down chained to gate/up (moe.WG_CHAIN): both get the tile counters, down goes with PDL
+        lg, sync = last["g"], last["ws"]["wg_sync"]
+        assert lg.args[2][-1] is sync and lg.args[3][-1] is sync and lg.pdl[2:4] == [False, True], lg.pdl
     assert all(2 * (moe._wg_shared(*v) + 1024) <= 228 * 1024 for v in moe._WG_KERNELS.values())   # + 1 KiB reserved
     # x already permuted by its producer (post_attn_norms' e_perm, where x_perm_ok): no copy, gate/up reads x itself
     x = arr(2048, H)
@@ -6570,6 +6624,13 @@ def test_moe_path_choice():
         plan(512, capability=(8, 9), path="wgmma")
     with pytest.raises(ValueError, match="nt must be one of"):
         plan(512, path="wgmma", nt=2)
+    chain = moe.WG_CHAIN
+    try:
+        moe.WG_CHAIN = False                                         # two plain launches: no counters
+        plan(64)
+        assert last["g"].args[2][-1] is None and last["g"].args[3][-1] is None and last["g"].pdl[2:4] == [False, False]
+    finally:
+        moe.WG_CHAIN = chain
     ex.update(H=80, I=48)                                            # K % 64 != 0: the grouped path
     assert plan(512)[0][1] == "gate_up_mma_n4"
     with pytest.raises(ValueError, match="H and I divisible by 64"):

@@ -453,34 +453,84 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
     wg_mainloop<NTOK, N, ST, true>(stages, up, rowoff, I, nb, rows, epi);
 }
 
+// The down launch chained to the gate/up launch by a counter a tile (sync non-null; layers/moe.py WG_CHAIN): the
+// gate/up CTAs of tile j each add 1 to sync[1 + j] once their stores of up (padding columns included) are released;
+// the down launch goes with PDL and does not wait for the whole gate/up grid (griddepcontrol.wait), but each of its
+// CTAs for the counter of its own tile to reach I / 64 (the gate/up grid's x). So the gate/up grid's last,
+// part-empty wave of CTAs (2 an SM; ~86-127 tiles x 11 blocks at the decode batches) fills with the down CTAs of
+// the tiles already done, and the boundary between the launches goes. No deadlock: PDL starts the down grid only
+// once every gate/up CTA has started (they trigger at entry), so a waiting down CTA holds no slot a gate/up CTA needs.
+// Everything else the down CTAs read (tiles, perm, weights) comes from launches before the gate/up one, which is
+// plain. The last down CTA to leave (sync[0] counts them) zeroes sync[0 .. 1 + n_tiles) for the next call.
+// H200, fortieth session (BENCHMARKS.md), whole moe_gpu calls at the real shapes, us: T = 8 93.5 -> 87.0, 16
+// 125.9 -> 121.8, 64 181.0 -> 178.0, 128 189.9 -> 187.7, 512 265.9 -> 259.2, 2,048 700.8 -> 698.4; decode steps
+// b16 6.8125 -> 6.7036 ms, b32 9.6851 -> 9.5368, b64 13.3820 -> 13.2586, b128 19.5166 -> 19.6174 (within its drift).
+// (The two launches as one persistent grid taking items by ticket, tried first: T = 8 83.9, 16 119.6, 128 191.6,
+// 2,048 773.0 us; b16 6.7523, b64 13.3548, b128 19.6672 ms: its CTAs hold every SM until the last item, so the
+// dense MLP's branch waits. Not kept.)
+__device__ __forceinline__ int ld_acquire_gpu(const int *p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu(int *p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void tile_done(int *cnt) {          // every thread, after its stores of up
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) red_release_gpu(cnt, 1);
+}
+__device__ __forceinline__ void tile_wait(const int *cnt, int n) {
+    if (threadIdx.x == 0)
+        while (ld_acquire_gpu(cnt) < n) __nanosleep(128);
+    __syncthreads();
+}
+__device__ __forceinline__ void chain_leave(int *sync, int nt, int ctas) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(sync, 1) == ctas - 1;
+    }
+    __syncthreads();
+    if (s_last)                                               // every other down CTA has left
+        for (int i = threadIdx.x; i < 1 + nt; i += blockDim.x) sync[i] = 0;
+}
+
 // Kernels: (name, NTOK tokens per tile (= moe_group_tiles' TS), ST stages); moe.cu's grouped signatures, with xp /
-// up in the permuted order; 2 CTAs per SM (<= 128 registers). Requires H % 64 == 0 and I % 64 == 0. The table in
-// layers/moe.py (_WG_KERNELS) must match; it checks the shapes.
+// up in the permuted order, and sync (above; null: two plain launches); 2 CTAs per SM (<= 128 registers). Requires
+// H % 64 == 0 and I % 64 == 0. The table in layers/moe.py (_WG_KERNELS) must match; it checks the shapes.
 #define GU_WG(NAME, NTOK, ST)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
         const bf16 *__restrict__ xp, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
         const int *__restrict__ n_tiles, const uint8_t *__restrict__ gw, const uint8_t *__restrict__ gs,          \
         const uint8_t *__restrict__ uw, const uint8_t *__restrict__ us, const float *__restrict__ gsc,            \
-        bf16 *__restrict__ up, int H, int I, int k) {                                                            \
+        bf16 *__restrict__ up, int H, int I, int k, int *sync) {                                                 \
         pdl_entry();                                                                                              \
         if ((int)blockIdx.y >= n_tiles[0]) return;                                                                \
         const int4 tl = tiles[blockIdx.y];                                                                        \
         with_tokens<NTOK, 8>(tl.z, [&](auto n) {                                                                  \
             gate_up_wg_body<NTOK, decltype(n)::value, ST>(xp, perm, tl, gw, gs, uw, us, gsc, up, H, I, k);        \
         });                                                                                                       \
+        if (sync) tile_done(sync + 1 + blockIdx.y);                                                               \
     }
 #define DN_WG(NAME, NTOK, ST)                                                                                     \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                     \
         const bf16 *__restrict__ up, const int *__restrict__ perm, const int4 *__restrict__ tiles,               \
         const int *__restrict__ n_tiles, const uint8_t *__restrict__ dw, const uint8_t *__restrict__ ds,          \
         const float *__restrict__ gsc, const float *__restrict__ weights, bf16 *__restrict__ o, int H, int I,     \
-        int nbk) {                                                                                                \
-        pdl_entry();                                                                                              \
-        if ((int)blockIdx.y >= n_tiles[0]) return;                                                                \
-        const int4 tl = tiles[blockIdx.y];                                                                        \
-        with_tokens<NTOK, 24>(tl.z, [&](auto n) {                                                                 \
-            down_wg_body<NTOK, decltype(n)::value, ST>(up, perm, tl, dw, ds, gsc, weights, o, H, I, nbk);         \
-        });                                                                                                       \
+        int nbk, int *sync) {                                                                                     \
+        if (sync) pdl_trigger(); else pdl_entry();            /* chained: the tile's counter, not the grid */      \
+        const int nt = __ldcg(n_tiles);                       /* .cg: not hoisted above pdl_entry's wait */        \
+        if ((int)blockIdx.y < nt) {                                                                               \
+            const int4 tl = __ldcg(tiles + blockIdx.y);                                                           \
+            if (sync) tile_wait(sync + 1 + blockIdx.y, I / 64);                                                   \
+            with_tokens<NTOK, 24>(tl.z, [&](auto n) {                                                             \
+                down_wg_body<NTOK, decltype(n)::value, ST>(up, perm, tl, dw, ds, gsc, weights, o, H, I, nbk);     \
+            });                                                                                                   \
+        }                                                                                                         \
+        if (sync) chain_leave(sync, nt, gridDim.x * gridDim.y);                                                   \
     }
 GU_WG(moe_gate_up_wg32, 32, 5)
 GU_WG(moe_gate_up_wg64, 64, 4)

@@ -186,7 +186,8 @@ def moe_workspace(g, T, E, k, H, I):
                 perm=g.empty((P,), np.int32), active=g.empty((E,), np.int32), n_active=g.empty((1,), np.int32),
                 u=g.empty((P, I), _bf16()), o=g.empty((P, H), _bf16()),
                 xp=g.empty((T, _pad128(H)), _bf16()), up=g.empty((P, _pad128(I)), _bf16()),    # the wgmma path's
-                tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32))
+                tiles=g.empty((_max_tiles(E, P, 8), 4), np.int32), n_tiles=g.empty((1,), np.int32),
+                wg_sync=g.upload(np.zeros(1 + _max_tiles(E, P, 8), np.int32)))   # WG_CHAIN's counters, kept at 0
 
 
 def _router_fits(H, E, top_k):
@@ -509,18 +510,24 @@ def _combine(g, o, idx, out, T, H, k, E):
 
 
 # wgmma path (kernels_ptx/moe_sm90a.cu, sm_90 only, H and I divisible by 64; 5 launches): moe_group_place (tiles of
-#   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous; skipped when
-#   x comes in that order, x_perm: post_attn_norms writes it so in the model) ->
-#   moe_gate_up_wg{8nt} (u in that order) -> moe_down_wg{8nt} -> moe_combine_bf16. The grouped path's arithmetic on
-#   warpgroup MMAs (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to
-#   8*nt tokens. Expert time per layer against the grouped path on the H200 (us, random routing over 128 experts;
-#   BENCHMARKS.md): tenth session T = 256: 233 / 321, 512: 325 / 429, 2048: 812 / 1,318; since the MMAs are as wide
-#   as a tile's tokens (thirteenth session, every launch of a call) T = 8: 101.4 / 112.6, 16: 129.6 / 131.7, 64:
-#   186.7 / 190.6, 96: 192.8 / 214.0, hence WG_MIN_T = 8 (5 .. 7 not measured: grouped).
+#   8*nt positions) -> moe_permute_x (x in the permuted column order whose k16 steps are contiguous; skipped when x
+#   comes in that order, x_perm: post_attn_norms writes it so in the model) -> moe_gate_up_wg{8nt} (u in that order)
+#   -> moe_down_wg{8nt} (chained to it: WG_CHAIN) -> moe_combine_bf16. The grouped path's arithmetic on warpgroup MMAs
+#   (m64nNk16, N the tile's tokens rounded up): each tile decodes its expert's weights once for up to 8*nt tokens.
+#   Expert time per layer against the grouped path on the H200 (us, random routing over 128 experts; BENCHMARKS.md):
+#   tenth session T = 256: 233 / 321, 512: 325 / 429, 2048: 812 / 1,318; since the MMAs are as wide as a tile's tokens
+#   (thirteenth session, every launch of a call) T = 8: 101.4 / 112.6, 16: 129.6 / 131.7, 64: 186.7 / 190.6, 96: 192.8
+#   / 214.0, hence WG_MIN_T = 8 (5 .. 7 not measured: grouped).
 WG_MIN_T = 8
 _WG_NT = (4, 8)
 # kernel -> (tokens per tile, stages): moe_sm90a.cu's GU_WG / DN_WG table; tile width 8*nt runs f"wg{8*nt}"
 _WG_KERNELS = {"wg32": (32, 5), "wg64": (64, 4)}
+
+
+# The wgmma path's down launch chained to its gate/up launch (moe_sm90a.cu, before its kernels): PDL, each down CTA
+# waiting for its own tile's gate/up CTAs (a counter a tile, ws "wg_sync") instead of the whole grid; the same
+# bits. False: two plain launches (the tests compare both).
+WG_CHAIN = True
 
 
 def _pad128(n):
@@ -577,6 +584,9 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None, x_perm=False)
     mw = g.module("moe_sm90a")
     shared = _wg_shared(ntok, stages)
     nbd = WG_DOWN_BLOCKS
+    chain = ws.get("wg_sync") if WG_CHAIN else None
+    if WG_CHAIN and (chain is None or chain.shape[0] < 1 + maxt):
+        raise ValueError(f"workspace too small for the wgmma path at T={T} (build it with moe_workspace)")
     if x_perm:                                       # x is in the permuted order already (Hp == H): no copy
         xp = x
     permute = [] if x_perm else [
@@ -587,11 +597,11 @@ def _experts_wgmma(g, x, weights, idx, ex, out, ws, T, k, nt=None, x_perm=False)
             (f"gate_up_{kern}", lambda: g.launch(
                 mw.function(f"moe_gate_up_{kern}"), grid=(I // 64, maxt), block=(256,),
                 args=[xp, ws["perm"], tiles, ws["n_tiles"], ex["gw"], ex["gs"], ex["uw"], ex["us"], ex["gsc"], up,
-                      H, I, k], shared=shared, flops=4 * P * I * H)),
+                      H, I, k, chain], shared=shared, flops=4 * P * I * H)),
             (f"down_{kern}", lambda: g.launch(
                 mw.function(f"moe_down_{kern}"), grid=(-(-((H + 127) // 128) // nbd), maxt), block=(256,),
                 args=[up, ws["perm"], tiles, ws["n_tiles"], ex["dw"], ex["ds"], ex["gsc"], weights, ws["o"], H, I,
-                      nbd], shared=shared, flops=2 * P * I * H)),
+                      nbd, chain], shared=shared, flops=2 * P * I * H, pdl=chain is not None)),
             ("combine", lambda: _combine(g, ws["o"], idx, out, T, H, k, E))]
 
 
