@@ -461,7 +461,9 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
 // the tiles already done, and the boundary between the launches goes. No deadlock: PDL starts the down grid only
 // once every gate/up CTA has started (they trigger at entry), so a waiting down CTA holds no slot a gate/up CTA needs.
 // Everything else the down CTAs read (tiles, perm, weights) comes from launches before the gate/up one, which is
-// plain. The last down CTA to leave (sync[0] counts them) zeroes sync[0 .. 1 + n_tiles) for the next call.
+// plain. The last down CTA to leave (sync[0] counts them) zeroes sync[0 .. 1 + n_tiles) for the next call. So a
+// chained down launch must follow its own gate/up launch on the stream: alone (a launch timed by itself, or run twice)
+// its CTAs would wait forever (the MoE timing test times the two together).
 // H200, fortieth session (BENCHMARKS.md), whole moe_gpu calls at the real shapes, us: T = 8 93.5 -> 87.0, 16
 // 125.9 -> 121.8, 64 181.0 -> 178.0, 128 189.9 -> 187.7, 512 265.9 -> 259.2, 2,048 700.8 -> 698.4; decode steps
 // b16 6.8125 -> 6.7036 ms, b32 9.6851 -> 9.5368, b64 13.3820 -> 13.2586, b128 19.5166 -> 19.6174 (within its drift).
