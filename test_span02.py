@@ -6366,6 +6366,55 @@ def test_gpu_moe_wgmma_chain_counters(g):
                 g.free(v)
 
 
+_CHAIN_ALONE = """
+import sys, time
+import numpy as np
+import gpu, test_span02 as t
+from layers import moe
+g = gpu.GPU()
+E, k, H, I, T = 6, 2, 192, 320, 64
+ex = moe.upload_experts(g, t.make_experts(E, H, I, seed=31, modelopt_odd=True), "model.language_model.layers.3.",
+                        E, H, I)
+rng = np.random.default_rng(37)
+w, idx = t.make_routing(T, E, k, rng)
+dx, dw, di = g.upload(t.bf(rng.normal(0, 1, (T, H)))), g.upload(w), g.upload(idx)
+out, ws = g.empty((T, H), t.BF16), moe.moe_workspace(g, T, E, k, H, I)
+plan = moe._plan(g, dx, dw, di, ex, out, ws, T, k, "wgmma", 4)
+for _, f in plan:
+    f()
+g.sync()
+print("whole call: ok", flush=True)
+down = [f for name, f in plan if name.startswith("down_wg")]
+assert len(down) == 1, [name for name, _ in plan]
+t0 = time.perf_counter()
+down[0]()
+try:
+    g.sync()
+    print("down alone: no error", flush=True)
+except gpu.CudaError as e:
+    print(f"down alone: {e.name} after {time.perf_counter() - t0:.2f} s", flush=True)
+sys.stdout.flush()
+import os; os._exit(0)
+"""
+
+
+@needs_gpu
+def test_gpu_moe_wgmma_chain_alone_traps(g):
+    """A chained down launch run without its gate/up launch (a misuse: its CTAs wait for tile counters nobody raises)
+    fails the launch after moe_sm90a.cu's CHAIN_WAIT_NS bound (1 s of GPU clock) instead of hanging the GPU. Run in a
+    subprocess: the trap leaves that process's CUDA context unusable."""
+    if g.capability != (9, 0):
+        pytest.skip("the wgmma path runs on sm_90 only")
+    assert moe.WG_CHAIN
+    r = subprocess.run([sys.executable, "-c", _CHAIN_ALONE], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    print(r.stdout, r.stderr[-2000:])
+    assert r.returncode == 0 and "whole call: ok" in r.stdout, r.stderr[-2000:]
+    m = re.search(r"down alone: (CUDA_ERROR_\w+) after ([0-9.]+) s", r.stdout)
+    assert m, r.stdout
+    assert 0.9 < float(m.group(2)) < 30, m.group(0)                 # it waited its bound, then failed
+
+
 # --- odd small shapes: K % 32 != 0 (8-byte weight loads, partial super units), partial CTA row tiles ---------
 
 @needs_gpu

@@ -463,7 +463,8 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
 // Everything else the down CTAs read (tiles, perm, weights) comes from launches before the gate/up one, which is
 // plain. The last down CTA to leave (sync[0] counts them) zeroes sync[0 .. 1 + n_tiles) for the next call. So a
 // chained down launch must follow its own gate/up launch on the stream: alone (a launch timed by itself, or run twice)
-// its CTAs would wait forever (the MoE timing test times the two together).
+// its CTAs would wait for counters nobody raises, and trap after a second (tile_wait; the MoE timing test times
+// the two together).
 // H200, fortieth session (BENCHMARKS.md), whole moe_gpu calls at the real shapes, us: T = 8 93.5 -> 87.0, 16
 // 125.9 -> 121.8, 64 181.0 -> 178.0, 128 189.9 -> 187.7, 512 265.9 -> 259.2, 2,048 700.8 -> 698.4; decode steps
 // b16 6.8125 -> 6.7036 ms, b32 9.6851 -> 9.5368, b64 13.3820 -> 13.2586, b128 19.5166 -> 19.6174 (within its drift).
@@ -483,9 +484,26 @@ __device__ __forceinline__ void tile_done(int *cnt) {          // every thread, 
     __syncthreads();
     if (threadIdx.x == 0) red_release_gpu(cnt, 1);
 }
+// A misuse of the contract above (a chained down launch without its gate/up launch) would hang the GPU; instead
+// the waiting thread gives up after CHAIN_WAIT_NS of GPU clock and traps, so the launch fails (H200:
+// CUDA_ERROR_LAUNCH_FAILED at the next sync, 1.6 s after the launch; test_gpu_moe_wgmma_chain_alone_traps). A tile's
+// gate/up CTAs take microseconds; the bound is a second, far from any real wait (but a debugger's breakpoint in a
+// gate/up CTA that holds longer trips it). The bound's cost, decode A/B in one process (forty-first session): b8
+// 5.0358 vs 5.0559 ms without it, b16 6.8051 vs 6.7951, b64 13.5915 vs 13.5931 (noise).
+#define CHAIN_WAIT_NS 1000000000ull
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+    return t;
+}
 __device__ __forceinline__ void tile_wait(const int *cnt, int n) {
-    if (threadIdx.x == 0)
-        while (ld_acquire_gpu(cnt) < n) __nanosleep(128);
+    if (threadIdx.x == 0 && ld_acquire_gpu(cnt) < n) {
+        const unsigned long long t0 = globaltimer_ns();
+        while (ld_acquire_gpu(cnt) < n) {
+            __nanosleep(128);
+            if (globaltimer_ns() - t0 > CHAIN_WAIT_NS) __trap();
+        }
+    }
     __syncthreads();
 }
 __device__ __forceinline__ void chain_leave(int *sync, int nt, int ctas) {
