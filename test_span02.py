@@ -5203,15 +5203,6 @@ def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     assert on.decode_graph_steps == n0
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--regen-golden"]:
-        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-        with open(GOLDEN, "w") as f:
-            json.dump(golden_responses(), f, indent=1, ensure_ascii=False)
-            f.write("\n")
-        print(f"wrote {GOLDEN}")
-
-
 @needs_gpu
 def test_gpu_profile_decode_times_every_launch_of_the_step(graph_pair):
     """profile_decode: one record per kernel of the bucket's graph, in launch order, each with a positive time (the
@@ -7534,3 +7525,12 @@ def test_close_drops_the_pinned_arrays_first():
     m._dec, m.inp_host = {1: {"host_in": np.zeros(4, np.int32)}}, np.zeros(8, np.int32)
     m.close()
     assert closed == ["graph", ("gpu", None, {})] and m.decode_graphs == {}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--regen-golden"]:
+        os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+        with open(GOLDEN, "w") as f:
+            json.dump(golden_responses(), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        print(f"wrote {GOLDEN}")
