@@ -6583,7 +6583,7 @@ def test_gpu_moe2_timing(g, real, T):
         for i, (name, f) in enumerate(plan):
             if name.startswith("down_wg") and moe.WG_CHAIN:
                 # a chained down launch waits for its tiles' counters, which only its gate/up launch (the one before
-                # it) raises: timed together (alone, its CTAs would wait forever)
+                # it) raises: timed together (alone, its CTAs would wait out their 1 s bound and trap)
                 gu_name, gu = plan[i - 1]
                 assert gu_name.startswith("gate_up_wg"), plan
                 both = _graph_time(g, lambda: (gu(), f()), reps=1, replays=n)
