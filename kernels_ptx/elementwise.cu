@@ -221,8 +221,8 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     } else if (own) {
         load_bf16<8>(e + row + c, fe);
     }
-    const float inv_m = inv_rms(row_sum(own ? sumsq8(fm) : 0.f, sums0, warps, lane), n, eps);
-    const float inv_e = inv_rms(row_sum(own ? sumsq8(fe) : 0.f, sums1, warps, lane), n, eps);
+    const float2 me = row_sum2(own ? sumsq8(fm) : 0.f, own ? sumsq8(fe) : 0.f, sums0, sums1, warps, lane);
+    const float inv_m = inv_rms(me.x, n, eps), inv_e = inv_rms(me.y, n, eps);
     if (own) {
         float m1[8];
         norm8(fm, inv_m, wts<PRE>(w1f, w1 + c, wt), m1);

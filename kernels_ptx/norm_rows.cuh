@@ -65,6 +65,31 @@ __device__ __forceinline__ float row_sum(float s, float* sums, int warps, int la
     return s;
 }
 
+// Two independent rows' totals at once (a's and b's partials): each with row_sum's arithmetic step for step (the same
+// butterfly, the warp sums added in warp order), so the bits of row_sum(a, sa, ..) and row_sum(b, sb, ..); one barrier
+// and one pass over the shared slots instead of two. Same calling rules as row_sum.
+__device__ __forceinline__ float2 row_sum2(float a, float b, float* sa, float* sb, int warps, int lane) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, m);
+        b += __shfl_xor_sync(0xffffffffu, b, m);
+    }
+    if (warps > 1) {
+        if (lane == 0) {
+            sa[threadIdx.x >> 5] = a;
+            sb[threadIdx.x >> 5] = b;
+        }
+        __syncthreads();
+        a = 0.f;
+        b = 0.f;
+        for (int k = 0; k < warps; k++) {
+            a += sa[k];
+            b += sb[k];
+        }
+    }
+    return make_float2(a, b);
+}
+
 // The decoder layer's chains of norms (elementwise.cu's header of them states their arithmetic): their pieces.
 __device__ __forceinline__ float sumsq8(const float* f) {
     float s = 0.f;
