@@ -67,7 +67,8 @@ __device__ __forceinline__ float row_sum(float s, float* sums, int warps, int la
 
 // Two independent rows' totals at once (a's and b's partials): each with row_sum's arithmetic step for step (the same
 // butterfly, the warp sums added in warp order), so the bits of row_sum(a, sa, ..) and row_sum(b, sb, ..); one barrier
-// and one pass over the shared slots instead of two. Same calling rules as row_sum.
+// and one pass over the shared slots instead of two (post_ffn_norms' m and e: alone, T = 1 3.40 -> 3.11 us, the 2,048-row
+// pairs form 48.9 -> 47.4 us; H200, forty-third session). Same calling rules as row_sum.
 __device__ __forceinline__ float2 row_sum2(float a, float b, float* sa, float* sb, int warps, int lane) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) {
