@@ -128,7 +128,7 @@ __device__ __forceinline__ void wg_chunk(uint32_t sd, const uint32_t (&dst0)[WgP
         for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
             const uint8_t* p = src + ((size_t)blk[b] * KV_BLOCK + w) * rb + piece;
 #pragma unroll
-            for (int r = 0; r < SPB; r++, p += RS * rb) cp_async16s(dst(b * SPB + r), p, true);
+            for (int r = 0; r < SPB; r++, p += RS * rb) cp_async16(dst(b * SPB + r), p, true);
         }
     } else {
         const int lo = kmin - (c * CHUNK + w), hi = kmax - (c * CHUNK + w);   // row w + k is in range: lo <= k <= hi
@@ -138,7 +138,7 @@ __device__ __forceinline__ void wg_chunk(uint32_t sd, const uint32_t (&dst0)[WgP
 #pragma unroll
             for (int r = 0; r < SPB; r++, p += RS * rb) {
                 const bool ok = b * KV_BLOCK + RS * r >= lo && b * KV_BLOCK + RS * r <= hi;
-                cp_async16s(dst(b * SPB + r), ok ? p : src, ok);
+                cp_async16(dst(b * SPB + r), ok ? p : src, ok);
             }
         }
     }

@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cp_async.cuh"     // smem_u32, the copies
+
 #define KV_BLOCK 16      // positions per KV block
 #define CHUNK 64         // keys per attention partial
 
@@ -171,7 +173,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 
 // ldmatrix: lanes 8i .. 8i+7 give the row addresses of 8x8 bf16 matrix i; register i of lane (g, t) gets
 // row g, columns 2t, 2t+1 of matrix i (.trans: rows 2t, 2t+1 of column g).
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
@@ -183,16 +184,6 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
-}
-
-// 16-byte async copy global -> shared; ok = false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(uint32_t s, const void* gsrc, bool ok) {   // s: a shared-window address
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gsrc), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async16(void* s, const void* gsrc, bool ok) { cp_async16(smem_u32(s), gsrc, ok); }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 template <int D> struct AttnCfg {

@@ -51,7 +51,6 @@
 
 #include "pdl.cuh"          // pdl_trigger / pdl_wait: programmatic dependent launch
 #include "linear_common.cuh" // SLICES, ROWS, mma_unit, e4m3x4_to_bf16x4, Proj, pick, cp.async, store_out
-#include "cp_async_m.cuh"    // cp.async with memory clobbers (the SR ring)
 
 // --- decode family (T <= 64): GEMV-like, weight-stream bound -------------------------------------------------
 // CTA = 8 warps = the 8 K-slices (warp w = slice w), one 16-row tile (both the gate and the up tile for gelu)
@@ -348,8 +347,8 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
                     const size_t eb = FMT == FMT_BF16 ? 2 : 1, off = (size_t)kk * eb + 16 * v;
                     const uint8_t *wb = reinterpret_cast<const uint8_t *>(Wm);
                     const bool og = kin && rg < N, oh = kin && rh < N;
-                    cp_async16_m(sp + ((mt * 2 + 0) * WV + v) * 32, og ? (const void *)(wb + (size_t)rg * K * eb + off) : Wm, og);
-                    cp_async16_m(sp + ((mt * 2 + 1) * WV + v) * 32, oh ? (const void *)(wb + (size_t)rh * K * eb + off) : Wm, oh);
+                    cp_async16(sp + ((mt * 2 + 0) * WV + v) * 32, og ? (const void *)(wb + (size_t)rg * K * eb + off) : Wm, og);
+                    cp_async16(sp + ((mt * 2 + 1) * WV + v) * 32, oh ? (const void *)(wb + (size_t)rh * K * eb + off) : Wm, oh);
                 } else if (FMT == FMT_BF16) {
                     const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
                     w[mt][0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
@@ -366,7 +365,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
             const int sam = m ? p1.sa : p0.sa;
             bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
         }
-        if (SR) cp_async_commit_m();                            // one group per item (maybe empty): uniform count
+        if (SR) cp_async_commit();                            // one group per item (maybe empty): uniform count
     };
 
 #pragma unroll
@@ -384,7 +383,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
             uint32_t a[MT][4][4];                             // [m-tile][step j][fragment reg], as dec_body
             const int rs = SR ? 0 : r;
             if (SR) {                                         // item i's group landed: i + 1 .. i + R - 1 may pend
-                cp_async_wait_m<R - 1>();
+                cp_async_wait<R - 1>();
                 const uint4 *sp = sslot(r);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)

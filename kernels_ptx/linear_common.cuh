@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "cp_async.cuh"
+
 #define SLICES 8        // warps per CTA = fixed K-slices (part of the determinism contract: never change per T)
 #define ROWS 16         // N rows per CTA (one m16 tile)
 
@@ -82,14 +84,6 @@ __device__ __forceinline__ Proj pick(int &b, int rt, const Proj &p0, const Proj 
     return p3;
 }
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool ok) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(ok ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int NPEND> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(NPEND));
-}
 
 // Epilogue of one output element from its finished slice sum(s): scale, round, (gelu_mul), store.
 // gelu: one projection's finished sum -> its bf16-rounded value (scaled first for FP8 tensor / channel);

@@ -59,9 +59,6 @@
 #define W_GATE (64 * 2 * 128)               // gelu: + the gate and up halves the warpgroups exchange (bf16)
 #define W_OUT (W_TOK * W_ROWS * 2)          // plain: + the tile's bf16 outputs on their way out (ws_store_tile)
 
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void *src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 8 : 0) : "memory");
-}
 // Shared-memory matrix descriptor, no swizzle: start address, leading (k half) byte offset W_TOK * 16 (the 16 token
 // groups of one k half lie side by side, 2 KB), stride (token group) byte offset 128.
 __device__ __forceinline__ uint64_t x_desc(uint32_t addr) {
@@ -177,12 +174,6 @@ __device__ __forceinline__ Proj tile_proj(int tile, int row_tiles, int T, const 
 // zero fill made the edge tile of a 507-token launch ~1.6x slower: the critical path of launches of one wave). Only
 // columns past K are zero-filled (units with k0 + 64 > K: none in the real model's shapes): 20 cp.async and ~40
 // other instructions a unit.
-__device__ __forceinline__ void cp_async8_full(uint32_t dst, const void *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
 
 template <bool GELU>
 __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
@@ -222,7 +213,7 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const bool ok = k0 + wcol < K;
-                    cp_async16s(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
+                    cp_async16(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
                 }
 #pragma unroll
                 for (int kc = 0; kc < 2; ++kc)

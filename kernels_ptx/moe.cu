@@ -18,7 +18,6 @@
 #include <stdint.h>
 
 #include "pdl.cuh"          // pdl_entry / pdl_trigger / pdl_wait: programmatic dependent launch
-#include "cp_async_m.cuh"   // cp.async with memory clobbers (SRing)
 #include "moe_common.cuh"   // the experts' arithmetic shared with moe_sm90a.cu (wgmma)
 #include "combine.cuh"      // slots_by_expert_warp, combine8: the combine shared with elementwise.cu
 
@@ -276,27 +275,27 @@ struct SrcStages {
             const int r = i >> 4, c = i & 15, col = (su << 7) + 8 * c;
             const int ro = rowoff[r];
             const bool ok = ro >= 0 && col < K;
-            cp_async16_zfill(sb + r * 256 + 16 * swz(r, c), ok ? (const void*)(X + (size_t)ro + col) : (const void*)X, ok);
+            cp_async16(sb + r * 256 + 16 * swz(r, c), ok ? (const void*)(X + (size_t)ro + col) : (const void*)X, ok);
         }
     }
     __device__ __forceinline__ void prologue() {
         #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < nsu) load(s, s);
-            cp_async_commit_();
+            cp_async_commit();
         }
     }
     __device__ __forceinline__ void begin(int su) {
-        cp_async_wait_<STAGES - 2>();            // this thread's copies of super unit su have landed
+        cp_async_wait<STAGES - 2>();            // this thread's copies of super unit su have landed
         __syncthreads();                          // everyone's; and stage (su-1) % STAGES is no longer read
         if (su + STAGES - 1 < nsu) load(su + STAGES - 1, (su + STAGES - 1) % STAGES);
-        cp_async_commit_();                       // possibly empty: keeps the group count uniform
+        cp_async_commit();                       // possibly empty: keeps the group count uniform
         cur = smem + (size_t)(su % STAGES) * NTOK * 256;
     }
     __device__ __forceinline__ uint4 b(int row, int, int c) const {
         return *(const uint4*)(cur + row * 256 + 16 * swz(row, c));
     }
-    __device__ __forceinline__ void drain() { cp_async_wait_<0>(); }
+    __device__ __forceinline__ void drain() { cp_async_wait<0>(); }
 };
 
 // The shared inner loop: acc[mt][n] += W_mt (16 rows) x X (tokens 8n..8n+7) over all K, in the fixed order
@@ -405,19 +404,19 @@ struct SRing {
                 const uint8_t* sp = sr + h * 64 + (su << 7) + 2 * q;
                 uint4* d = slots + (2 * r + h) * 32 + lane;
                 if (al16) {                                   // c0 % 32 == 0 == K % 32: all 16 bytes or none
-                    cp_async16_m(d, hi ? (const void*)wp : (const void*)wr, hi);
+                    cp_async16(d, hi ? (const void*)wp : (const void*)wr, hi);
                     s[r][h] = hi ? (uint32_t)__ldg((const unsigned short*)sp) : 0u;
                 } else {
-                    cp_async8_m(d, lo ? (const void*)wp : (const void*)wr, lo);
-                    cp_async8_m((uint8_t*)d + 8, hi ? (const void*)(wp + 8) : (const void*)wr, hi);
+                    cp_async8(d, lo ? (const void*)wp : (const void*)wr, lo);
+                    cp_async8((uint8_t*)d + 8, hi ? (const void*)(wp + 8) : (const void*)wr, hi);
                     s[r][h] = (lo ? (uint32_t)__ldg(sp) : 0u) | (hi ? (uint32_t)__ldg(sp + 1) << 8 : 0u);
                 }
             }
         }
-        cp_async_commit_m();
+        cp_async_commit();
     }
     __device__ __forceinline__ void take(int r, uint4 (&w)[2], uint32_t (&sc)[2]) const {
-        cp_async_wait_m<DS - 1>();
+        cp_async_wait<DS - 1>();
         w[0] = slots[(2 * r) * 32 + lane];
         w[1] = slots[(2 * r + 1) * 32 + lane];
         sc[0] = s[r][0];
@@ -473,7 +472,7 @@ __device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, f
             if (q == 0) { pbuf[su * 16 + g] = part[0]; pbuf[su * 16 + g + 8] = part[2]; }
         }
     }
-    cp_async_wait_m<0>();                                        // no copy left in flight (empty groups)
+    cp_async_wait<0>();                                        // no copy left in flight (empty groups)
 }
 
 // gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per

@@ -1,10 +1,12 @@
 // Shared by moe.cu (sm_90: mma.sync) and moe_sm90a.cu (wgmma): the pieces of the NVFP4 experts' per-output
 // arithmetic that both kernel files must compute identically (the contract is stated below), and their
-// weight ring and cp.async helpers.
+// weight ring.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "cp_async.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -184,10 +186,3 @@ struct WRing {
         for (int r = 0; r < D; ++r) load(r, r);
     }
 };
-
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool ok) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(ok ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit_() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait_() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -139,12 +139,6 @@ __device__ __forceinline__ WgLoad<NTOK> wg_load_setup(const int *rowoff, int K) 
     return L;
 }
 
-// 4 bytes, only where p (no branch: the odd-q lanes issue nothing).
-__device__ __forceinline__ void cp_async4_if(uint32_t dst, const void *src, uint32_t n, bool p) {
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %3, 0;\n\t@p cp.async.ca.shared.global [%0], [%1], 4, %2;\n\t}\n"
-                 ::"r"(dst), "l"(src), "r"(n), "r"((uint32_t)p) : "memory");
-}
-
 // The lane's two weight rows (A rows g and g + 8 of its warp's 16, h = 0 / 1): packed bytes w[h] + wo[h] at column
 // 32 q, scales s[h] + so[h] at column 64 (q >> 1).
 struct WgRows {
@@ -161,13 +155,13 @@ __device__ __forceinline__ void wg_stage_load(const WgLoad<NTOK> &L, uint32_t st
 #pragma unroll
     for (int j = 0; j < NTOK / 16; ++j) {
         const bool ok = (L.xok >> j) & 1u;
-        if ((L.xon >> j) & 1u) cp_async16s(st + L.xdst + 4096 * j, X + (L.xo[j] + xu), ok);
+        if ((L.xon >> j) & 1u) cp_async16(st + L.xdst + 4096 * j, X + (L.xo[j] + xu), ok);
     }
     const int q = threadIdx.x & 3;
     const bool wok = 128 * su + 32 * q < L.K, sok = 128 * su + 64 * (q >> 1) < L.K;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        cp_async16s(st + L.wdst + 512 * h, R.w[h] + (R.wo[h] + 64u * su), wok);
+        cp_async16(st + L.wdst + 512 * h, R.w[h] + (R.wo[h] + 64u * su), wok);
         cp_async4_if(st + L.sdst + 64 * h, R.s[h] + (R.so[h] + 128u * su), sok ? 4u : 0u, !(q & 1));
     }
 }
@@ -232,13 +226,13 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if (s < nv) load_next(s);
-        cp_async_commit_();
+        cp_async_commit();
     }
     float part[N / 2], tot[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) tot[i] = part[i] = 0.f;
     uint32_t a[8][4];
-    cp_async_wait_<ST - 2>();                                 // unit 0
+    cp_async_wait<ST - 2>();                                 // unit 0
     fence_proxy_async();
     __syncthreads();
     wg_a<NTOK>(smem, a);
@@ -251,11 +245,11 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
             wgmma_n<N>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
         wg_commit();
         if (v + 1 < nv) {
-            cp_async_wait_<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
+            cp_async_wait<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
             fence_proxy_async();                              // ... and are visible to the tensor cores
             __syncthreads();                                  // everyone's; unit v - 1's wgmmas are done
             if (v + ST - 1 < nv) load_next(v + ST - 1);       // into unit v - 1's stage
-            cp_async_commit_();                               // (maybe empty) keeps the group count uniform
+            cp_async_commit();                               // (maybe empty) keeps the group count uniform
         }
         wg_wait<0>();
         fence_acc(part);
@@ -273,7 +267,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
         }
         if (v + 1 < nv) wg_a<NTOK>(smem + ((v + 1) % ST) * WG_STAGE(NTOK), a);
     }
-    cp_async_wait_<0>();
+    cp_async_wait<0>();
     __syncthreads();                                          // the stages may be reused
     epi(b, tot, smem);
 }

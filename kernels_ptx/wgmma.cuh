@@ -58,11 +58,6 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
     return v;
 }
 
-// cp.async of 16 bytes to a shared-window address, zero-filled where !ok (src is then not read).
-__device__ __forceinline__ void cp_async16s(uint32_t dst, const void *src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-
 // The compiler must not move reads or writes of the accumulators across a wgmma issue / wait.
 template <int R> __device__ __forceinline__ void fence_acc(float (&d)[R]) {
 #pragma unroll
