@@ -365,7 +365,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
             const int sam = m ? p1.sa : p0.sa;
             bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
         }
-        if (SR) cp_async_commit();                            // one group per item (maybe empty): uniform count
+        if (SR) cp_async_commit();                              // one group per item (maybe empty): uniform count
     };
 
 #pragma unroll

@@ -84,7 +84,6 @@ __device__ __forceinline__ Proj pick(int &b, int rt, const Proj &p0, const Proj 
     return p3;
 }
 
-
 // Epilogue of one output element from its finished slice sum(s): scale, round, (gelu_mul), store.
 // gelu: one projection's finished sum -> its bf16-rounded value (scaled first for FP8 tensor / channel);
 // scaled_bf16 is the FP8 case with the row's scale s read already (linear_sm90a.cu reads it once a tile).

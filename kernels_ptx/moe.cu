@@ -286,10 +286,10 @@ struct SrcStages {
         }
     }
     __device__ __forceinline__ void begin(int su) {
-        cp_async_wait<STAGES - 2>();            // this thread's copies of super unit su have landed
+        cp_async_wait<STAGES - 2>();             // this thread's copies of super unit su have landed
         __syncthreads();                          // everyone's; and stage (su-1) % STAGES is no longer read
         if (su + STAGES - 1 < nsu) load(su + STAGES - 1, (su + STAGES - 1) % STAGES);
-        cp_async_commit();                       // possibly empty: keeps the group count uniform
+        cp_async_commit();                        // possibly empty: keeps the group count uniform
         cur = smem + (size_t)(su % STAGES) * NTOK * 256;
     }
     __device__ __forceinline__ uint4 b(int row, int, int c) const {
@@ -472,7 +472,7 @@ __device__ __forceinline__ void direct_units(const SrcRows& src, int j, int S, f
             if (q == 0) { pbuf[su * 16 + g] = part[0]; pbuf[su * 16 + g + 8] = part[2]; }
         }
     }
-    cp_async_wait<0>();                                        // no copy left in flight (empty groups)
+    cp_async_wait<0>();                                          // no copy left in flight (empty groups)
 }
 
 // gate/up, DIRECT: one CTA per (16 intermediate rows n0.., pair p = t*k + s), S = blockDim.x / 64 warps per

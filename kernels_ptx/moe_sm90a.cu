@@ -232,7 +232,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) tot[i] = part[i] = 0.f;
     uint32_t a[8][4];
-    cp_async_wait<ST - 2>();                                 // unit 0
+    cp_async_wait<ST - 2>();                                  // unit 0
     fence_proxy_async();
     __syncthreads();
     wg_a<NTOK>(smem, a);
@@ -245,11 +245,11 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
             wgmma_n<N>(part, a[s], b_desc_step<NTOK>(dlo + (v % ST) * (WG_STAGE(NTOK) >> 4), s));
         wg_commit();
         if (v + 1 < nv) {
-            cp_async_wait<ST - 3>();                         // this thread's pieces of unit v + 1 have landed
+            cp_async_wait<ST - 3>();                          // this thread's pieces of unit v + 1 have landed
             fence_proxy_async();                              // ... and are visible to the tensor cores
             __syncthreads();                                  // everyone's; unit v - 1's wgmmas are done
             if (v + ST - 1 < nv) load_next(v + ST - 1);       // into unit v - 1's stage
-            cp_async_commit();                               // (maybe empty) keeps the group count uniform
+            cp_async_commit();                                // (maybe empty) keeps the group count uniform
         }
         wg_wait<0>();
         fence_acc(part);
