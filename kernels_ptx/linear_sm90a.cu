@@ -473,7 +473,7 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
     constexpr int S = ring_stages<SS>();
     pdl_trigger();
     pdl_wait();
-    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t sbase = smem_u32(smem);
     if (SS && threadIdx.x == 0 && (sbase & 1023)) __trap();  // loudly: the swizzle would read other bytes
     const uint32_t bars = sbase + ring_bars<SS>();
     if (threadIdx.x < S) {
