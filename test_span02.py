@@ -3638,27 +3638,55 @@ def _lin_head_table(rng, v, h):
 
 @needs_gpu
 def test_gpu_linear_head(lin_g):
-    """The tied head against float64 at T = 1, 3 (the decode family), 64 and 100 (`_g128` from G128_F32_MIN_T), and
-    each row of the 64- and 100-row launches byte-equal to the same row alone (T = 1)."""
+    """The tied head against float64 at T = 1, 3, 17 (the decode family), 33, 64, 100 and 130 (`_wb` from WB_MIN_T; two
+    token tiles at 130), then 100 on `_g128` (WB_MIN_T off); each row of the launches from 17 rows byte-equal to the
+    same row alone (T = 1). Then `_wb` on tables of odd shapes (a part row tile, a part 64-column unit, fewer units than
+    the 8 slices) and on 5 CTAs (each runs many tiles, its stage ring wrapping across them), row by row against T = 1."""
     g, rng = lin_g, np.random.default_rng(4)
     v, h = 262144, 2816
     table, ref = _lin_head_table(rng, v, h)
     td = g.upload(table)
-    assert lin_mod.G128_F32_MIN_T <= 100
-    for t in (1, 3, 64, 100):
+    assert lin_mod.WB_MIN_T <= 33 and lin_mod.G128_F32_MIN_T <= 100
+
+    def rows_alone(xd_rows, td, y, t, n, rows):
+        for r in rows:
+            xd, one = g.upload(xd_rows[r:r + 1]), g.empty((1, n), np.float32)
+            head_gpu(g, xd, td, one)
+            assert g.download(one).tobytes() == y[r:r + 1].tobytes(), (t, n, r)
+            g.free(xd), g.free(one)
+
+    for t, wb in ((1, True), (3, True), (17, True), (33, True), (64, True), (100, True), (130, True), (100, False)):
         x = rng.standard_normal((t, h), np.float32).astype(BF16)
         xd, out = g.upload(x), g.empty((t, v), np.float32)
         g.fill(out, 0xFF)
-        head_gpu(g, xd, td, out)
+        saved = lin_mod.WB_MIN_T
+        lin_mod.WB_MIN_T = saved if wb else None
+        try:
+            head_gpu(g, xd, td, out)
+        finally:
+            lin_mod.WB_MIN_T = saved
         y = g.download(out)
-        _lin_check(f'head V={v} H={h} T={t}', y, ref(x).reshape(t, v))
+        _lin_check(f'head V={v} H={h} T={t}' + ('' if wb else ' (_g128)'), y, ref(x).reshape(t, v))
         g.free(xd), g.free(out)
-        for r in ((0, t // 2, t - 1) if t >= 64 else ()):
-            xd, one = g.upload(x[r:r + 1]), g.empty((1, v), np.float32)
-            head_gpu(g, xd, td, one)
-            assert g.download(one).tobytes() == y[r:r + 1].tobytes(), (t, r)
-            g.free(xd), g.free(one)
+        rows_alone(x, td, y, t, v, (0, t // 2, t - 1) if t >= 17 else ())
     g.free(td)
+    for (n, k), t, sms in (((1000, 2832), 40, None), ((300, 208), 130, None), ((17, 48), 36, None),
+                           ((1000, 704), 130, 5)):
+        tab = (rng.standard_normal((n, k), np.float32) * 0.05).astype(BF16)
+        x = rng.standard_normal((t, k), np.float32).astype(BF16)
+        td, xd, out = g.upload(tab), g.upload(x), g.empty((t, n), np.float32)
+        g.fill(out, 0xFF)
+        saved = g.sm_count
+        g.sm_count = sms or saved
+        try:
+            head_gpu(g, xd, td, out)
+        finally:
+            g.sm_count = saved
+        y = g.download(out)
+        _lin_check(f'head (_wb) N={n} K={k} T={t}' + (f' on {sms} CTAs' if sms else ''), y,
+                   x.astype(np.float64) @ tab.astype(np.float64).T)
+        rows_alone(x, td, y, t, n, range(t))
+        g.free(td), g.free(xd), g.free(out)
 
 
 def _lin_time(g, launch, iters):
@@ -6783,19 +6811,23 @@ def test_gpu_linear_decode_variants(lin_g):
 
 def _with_tile(tile, fn):
     """fn() with the prefill tile `tile` ('p', 'g128', 'ws' or 'ss': layers.linear.G128_MIN_T / W_MIN_T / W_MIN_CTAS /
-    W16_MIN_T set so that it runs every launch it can take from T = 65; restored after). 'ss' needs the GPU's w16
-    scratch (lin_g reserves it)."""
-    saved = lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T
+    W16_MIN_T set so that it runs every launch it can take from T = 65, the bf16 -> f32 launches on `_p`, `_g128` or
+    (for 'ws' and 'ss') the head's `_wb`; restored after). 'ss' needs the GPU's w16 scratch (lin_g reserves it)."""
+    saved = (lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T,
+             lin_mod.WB_MIN_T)
     lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T = {
         'p': (None, None, 1, None), 'g128': (65, None, 1, None), 'ws': (65, 65, 1, None), 'ss': (65, 65, 1, 65)}[tile]
     lin_mod.G128_F32_MIN_T = lin_mod.G128_MIN_T
+    lin_mod.WB_MIN_T = lin_mod.W_MIN_T
     try:
         return fn()
     finally:
-        (lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T) = saved
+        (lin_mod.G128_MIN_T, lin_mod.W_MIN_T, lin_mod.W_MIN_CTAS, lin_mod.W16_MIN_T, lin_mod.G128_F32_MIN_T,
+         lin_mod.WB_MIN_T) = saved
 
 
-# `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`
+# `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`,
+# but for the f32-out launch (the head's family), which takes `_wb`
 _TILES = ('p', 'g128', 'ws', 'ss')
 
 
@@ -6864,30 +6896,52 @@ def _fake_linear(fmt, n, k):
 
 
 def test_linear_head_tile_choice():
-    """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 64
-    tokens and `_g128` (one 128-token tile of every 128 rows) from G128_F32_MIN_T = 65, while other bf16 launches keep
-    G128_MIN_T; with G128_F32_MIN_T None the head takes `_p` there."""
+    """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 16
+    tokens (n4m1r2b2t from 17: one 32-token tile of every 16 rows) and the wgmma tile `_wb` (persistent: min(tiles, SMs)
+    CTAs, tiles of 128 rows x 128 tokens) from WB_MIN_T = 33 on sm_90; without it (WB_MIN_T None, or another GPU) the decode family up to 64 tokens and `_g128` (one 128-token
+    tile of every 128 rows) from G128_F32_MIN_T = 65, while other bf16 launches keep G128_MIN_T; with G128_F32_MIN_T
+    None too the head takes `_p` there."""
     from layers.linear import head_gpu
     V, H = 262144, 2816
     arr = lambda *shape, dt=BF16: types.SimpleNamespace(shape=shape, dtype=dt, ptr=1024,
                                                        nbytes=int(np.prod(shape)) * np.dtype(dt).itemsize)
-    for t, want in ((64, 'linear.gemm_bf16_f32_n4m1r2b2t'), (65, 'linear.gemm_bf16_f32_g128'),
-                    (128, 'linear.gemm_bf16_f32_g128')):
+    assert lin_mod.WB_MIN_T == 33
+    for t, want in ((16, 'linear.gemm_bf16_f32_t16'), (32, 'linear.gemm_bf16_f32_n4m1r2b2t'),
+                    (33, 'linear_sm90a.gemm_bf16_f32_ws'), (64, 'linear_sm90a.gemm_bf16_f32_ws'),
+                    (130, 'linear_sm90a.gemm_bf16_f32_ws')):
         g = _LaunchLog()
         head_gpu(g, arr(t, H), arr(V, H), arr(t, V, dt=np.float32))
         assert [f for f, *_ in g.launches] == [want], (t, g.launches)
-        if 'g128' in want:
-            assert g.launches[0][1] == (V // 128, 1, 1), g.launches
-    g = _LaunchLog()
-    linear_gpu(g, arr(96, H), _fake_linear('bf16', 4096, H), arr(96, 4096))           # bf16 out: G128_MIN_T
-    assert g.launches[0][0] == 'linear.gemm_bf16_bf16_p', g.launches
-    saved, lin_mod.G128_F32_MIN_T = lin_mod.G128_F32_MIN_T, None
+        if want.endswith('_ws'):
+            assert g.launches[0][1:3] == ((132, 1, 1), lin_mod.WB_SMEM) and g.blocks[0] == (lin_mod.WS_THREADS, 1, 1)
+            assert g.pdl[0] and lin_mod.WB_SMEM == 6 * (2 * 16512) + 96, g.launches
+    g = _LaunchLog(sm_count=7)                                # fewer tiles than SMs, or fewer SMs: min(tiles, SMs)
+    head_gpu(g, arr(40, H), arr(300, H), arr(40, 300, dt=np.float32))
+    assert g.launches[0][1] == (3, 1, 1), g.launches
+    g = _LaunchLog(capability=(8, 0))
+    head_gpu(g, arr(64, H), arr(V, H), arr(64, V, dt=np.float32))
+    assert g.launches[0][0] == 'linear.gemm_bf16_f32_n4m1r2b2t', g.launches
+    saved, lin_mod.WB_MIN_T = lin_mod.WB_MIN_T, None
     try:
+        for t, want in ((64, 'linear.gemm_bf16_f32_n4m1r2b2t'), (65, 'linear.gemm_bf16_f32_g128'),
+                        (128, 'linear.gemm_bf16_f32_g128')):
+            g = _LaunchLog()
+            head_gpu(g, arr(t, H), arr(V, H), arr(t, V, dt=np.float32))
+            assert [f for f, *_ in g.launches] == [want], (t, g.launches)
+            if 'g128' in want:
+                assert g.launches[0][1] == (V // 128, 1, 1), g.launches
         g = _LaunchLog()
-        head_gpu(g, arr(96, H), arr(V, H), arr(96, V, dt=np.float32))
+        linear_gpu(g, arr(96, H), _fake_linear('bf16', 4096, H), arr(96, 4096))       # bf16 out: G128_MIN_T
+        assert g.launches[0][0] == 'linear.gemm_bf16_bf16_p', g.launches
+        saved_g, lin_mod.G128_F32_MIN_T = lin_mod.G128_F32_MIN_T, None
+        try:
+            g = _LaunchLog()
+            head_gpu(g, arr(96, H), arr(V, H), arr(96, V, dt=np.float32))
+        finally:
+            lin_mod.G128_F32_MIN_T = saved_g
+        assert g.launches[0][0] == 'linear.gemm_bf16_f32_p', g.launches
     finally:
-        lin_mod.G128_F32_MIN_T = saved
-    assert g.launches[0][0] == 'linear.gemm_bf16_f32_p', g.launches
+        lin_mod.WB_MIN_T = saved
 
 
 def test_linear_prefill_tile_choice():

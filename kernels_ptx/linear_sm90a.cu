@@ -2,7 +2,7 @@
 // arithmetic of linear.cu's decode family and its `_p` / `_g128` tiles, bit for bit, at 2.3-3.2x their rate (T = 2048)
 // (BENCHMARKS.md, fifth and ninth sessions). Plain and multi launches (as `_g128`) and the dense MLP's gate_up_gelu
 // (as `_p`); layers/linear.py picks it. `_ss` (end of the file) is the same tile fed from bf16, slot-ordered copies
-// of W and X, for long prompts.
+// of W and X, for long prompts; `_wb` (gemm_bf16_f32_ws) the same tile for the tied head's bf16 table and f32 logits.
 //
 // Why the bits are the same (measured on the H200, 2026-11-30, before the first wgmma kernel was written: 147,456
 // outputs of chained k16 steps, operands spread over 2^-20 .. 2^20, non-zero accumulators, no bit differed):
@@ -101,16 +101,33 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
 #define SS_STAGES 6
 #define SS_BARS (SS_STAGES * 2 * S_ABYTES)
 #define SS_SMEM (SS_BARS + 2 * SS_STAGES * 8)   // 196,704 B dynamic smem (+ W_OUT: 229,472; gelu + W_GATE: 213,088)
-// The ring of form SS (`_ss`) or not (`_ws`): stages, smem bytes before the gelu buffers, the mbarriers' offset, and
-// the offsets of stage `slot`'s W (A) and X (B) bytes.
-template <bool SS> __host__ __device__ constexpr int ring_stages() { return SS ? SS_STAGES : WS_STAGES; }
-template <bool SS> __host__ __device__ constexpr int ring_smem() { return SS ? SS_SMEM : WS_SMEM; }
-template <bool SS> __host__ __device__ constexpr uint32_t ring_bars() { return SS ? SS_BARS : WS_BARS; }
-template <bool SS> __device__ __forceinline__ uint32_t a_off(uint32_t slot) {
-    return SS ? slot * 2 * S_ABYTES : slot * W_STAGE;
+// `_ws` for bf16 weights and f32 outputs (the tied head, gemm_bf16_f32_ws; see its entry): stage m % WB_STAGES is the
+// unit's 128 W rows in X's layout (the same 8-byte pieces, rows for tokens), then X, so that both wgmma operands come
+// from shared memory at the same slots and the compute warps convert nothing.
+#define WB_STAGE (2 * W_XBYTES)             // 33,024 B
+#define WB_STAGES 6
+#define WB_BARS (WB_STAGES * WB_STAGE)
+#define WB_SMEM (WB_BARS + 2 * WB_STAGES * 8)   // 198,240 B dynamic smem (the f32 outputs go out from registers)
+// The tile's forms: `_ws` (FP8 W converted into registers), `_ss` (bf16 copies, swizzled) and `_wb` (bf16 W as it is,
+// the head). Per form: stages, smem bytes before the gelu buffers, the mbarriers' offset, and the offsets of stage
+// `slot`'s W (A) and X (B) bytes.
+enum { F_WS = 0, F_SS = 1, F_WB = 2 };
+template <int F> __host__ __device__ constexpr int ring_stages() {
+    return F == F_SS ? SS_STAGES : F == F_WB ? WB_STAGES : WS_STAGES;
 }
-template <bool SS> __device__ __forceinline__ uint32_t x_off(uint32_t slot) {
-    return SS ? slot * 2 * S_ABYTES + S_ABYTES : slot * W_STAGE + W_WBYTES;
+template <int F> __host__ __device__ constexpr int ring_smem() {
+    return F == F_SS ? SS_SMEM : F == F_WB ? WB_SMEM : WS_SMEM;
+}
+template <int F> __host__ __device__ constexpr uint32_t ring_bars() {
+    return F == F_SS ? SS_BARS : F == F_WB ? WB_BARS : WS_BARS;
+}
+template <int F> __device__ __forceinline__ uint32_t a_off(uint32_t slot) {
+    return F == F_SS ? slot * 2 * S_ABYTES : F == F_WB ? slot * WB_STAGE : slot * W_STAGE;
+}
+template <int F> __device__ __forceinline__ uint32_t x_off(uint32_t slot) {
+    return F == F_SS   ? slot * 2 * S_ABYTES + S_ABYTES
+           : F == F_WB ? slot * WB_STAGE + W_XBYTES
+                       : slot * W_STAGE + W_WBYTES;
 }
 // Tile `tile` of a launch -> row tile b and first token t0. `_ws`: row tiles fastest (as the decode order); `_ss`:
 // token tiles fastest, so that the CTAs running at once share a few row tiles of the bf16 W copy (twice the FP8
@@ -175,6 +192,27 @@ __device__ __forceinline__ Proj tile_proj(int tile, int row_tiles, int T, const 
 // columns past K are zero-filled (units with k0 + 64 > K: none in the real model's shapes): 20 cp.async and ~40
 // other instructions a unit.
 
+// One unit of 8 rows of a bf16 operand in X's layout (ws_load's X pieces; wb_load's W rows too): row i's 8-byte piece
+// at the thread's column (src[i] points there) to dst + 256 i, the piece 32 columns on to dst + W_TOK * 16 + 256 i.
+// xl_edge: a unit with k0 + 64 > K, columns past K zero-filled (xcol: the thread's column; zsrc: any valid address).
+__device__ __forceinline__ void xl_whole(uint32_t dst, const __nv_bfloat16 *const (&src)[8], int k0) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        cp_async8_full(dst + 256 * i, src[i] + k0);
+        cp_async8_full(dst + W_TOK * 16 + 256 * i, src[i] + k0 + 32);
+    }
+}
+__device__ __forceinline__ void xl_edge(uint32_t dst, const __nv_bfloat16 *const (&src)[8], int k0, int K, int xcol,
+                                        const void *zsrc) {
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const bool ok = k0 + 32 * kc + xcol < K;
+            cp_async8(dst + (W_TOK * 16) * kc + 256 * i, ok ? (const void *)(src[i] + k0 + 32 * kc) : zsrc, ok);
+        }
+}
+
 template <bool GELU>
 __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
                                         const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
@@ -200,29 +238,18 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
         for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
             mbar_wait(ws_empty<WS_STAGES>(bars, m), ws_parity<WS_STAGES>(m) ^ 1);
             const int k0 = u << 6;
-            const uint32_t st = a_off<false>(m % WS_STAGES);
+            const uint32_t st = a_off<F_WS>(m % WS_STAGES);
             if (k0 + 64 <= K) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) cp_async16_full(wdst + st + 2048 * i, w[i] + k0);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    cp_async8_full(xdst + st + 256 * i, x[i] + k0);
-                    cp_async8_full(xdst + st + W_TOK * 16 + 256 * i, x[i] + k0 + 32);
-                }
+                xl_whole(xdst + st, x, k0);
             } else {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const bool ok = k0 + wcol < K;
                     cp_async16(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
                 }
-#pragma unroll
-                for (int kc = 0; kc < 2; ++kc)
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) {
-                        const bool ok = k0 + 32 * kc + xcol < K;
-                        cp_async8(xdst + st + (W_TOK * 16) * kc + 256 * i,
-                                  ok ? (const void *)(x[i] + k0 + 32 * kc) : X, ok);
-                    }
+                xl_edge(xdst + st, x, k0, K, xcol, X);
             }
             cp_async_commit();
             ring_handoff<WS_STAGES>(bars, m);
@@ -258,7 +285,7 @@ __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __n
         }
         for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
             mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
-            const uint32_t st = a_off<true>(m % S);
+            const uint32_t st = a_off<F_SS>(m % S);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 cp_async16_full(dst + st + 2048 * i, w[i] + 64 * u);
@@ -271,24 +298,66 @@ __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __n
     ring_drain<S>(bars, m);
 }
 
+// `_wb`'s loader (the tied head: bf16 W, one projection): `_ws`'s X pieces for both operands, the stage's 128 W rows in
+// X's layout (row tb + 16 i where X has token tb + 16 i) and X after them. Rows past N / tokens past T: row N - 1 /
+// token T - 1 (as `_ws`).
+__device__ __forceinline__ void wb_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
+                                        const Proj &p0) {
+    constexpr int S = WB_STAGES;
+    const int pt = threadIdx.x - 256, lane = pt & 31;
+    const int j = lane & 3, h = (lane >> 2) & 1, tb = 4 * (pt >> 5) + (lane >> 3), xcol = 16 * h + 4 * j;
+    const uint32_t dst = sbase + j * W_XSTEP + tb * 16 + h * 8;
+    const int units = (K + 63) >> 6, row_tiles = (p0.N + W_ROWS - 1) / W_ROWS;
+    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    uint32_t m = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int b, t0;
+        tile_at<false>(tile, row_tiles, T, b, t0);
+        const __nv_bfloat16 *w[8], *x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            w[i] = reinterpret_cast<const __nv_bfloat16 *>(p0.W) + (size_t)min(b * W_ROWS + tb + 16 * i, p0.N - 1) * K +
+                   xcol;
+            x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
+        }
+        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
+            mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
+            const int k0 = u << 6;
+            const uint32_t st = a_off<F_WB>(m % S);
+            if (k0 + 64 <= K) {
+                xl_whole(dst + st, w, k0);
+                xl_whole(dst + st + W_XBYTES, x, k0);
+            } else {
+                xl_edge(dst + st, w, k0, K, xcol, X);
+                xl_edge(dst + st + W_XBYTES, x, k0, K, xcol, X);
+            }
+            cp_async_commit();
+            ring_handoff<S>(bars, m);
+        }
+    }
+    ring_drain<S>(bars, m);
+}
+
 // One unit of a compute warpgroup: A fragments into a[BUF] (SS: A read from the stage by the wgmmas: rows
 // 64 wg .. 64 wg + 63 are the warpgroup's 8 atoms, a k16 step 32 bytes on), 4 wgmmas, and the stage(s) handed back
 // (`pend`: the previous unit's stage while its wgmmas may still run). The last unit of a slice is folded into tot.
-template <bool SS, int BUF>
+template <int F, int BUF>
 __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pend, uint8_t *smem, uint32_t sbase,
                                         uint32_t bars, int r, int q, int wg, float (&acc)[64], float (&tot)[64],
                                         uint32_t (&a)[2][4][4]) {
-    constexpr int S = ring_stages<SS>();
-    const uint32_t slot = m % S, xs = sbase + x_off<SS>(slot);
+    constexpr int S = ring_stages<F>();
+    const uint32_t slot = m % S, xs = sbase + x_off<F>(slot);
     mbar_wait(ws_full<S>(bars, m), ws_parity<S>(m));
-    if (!SS) w_stage_a(smem + a_off<SS>(slot), r, q, a[BUF]);
+    if (F == F_WS) w_stage_a(smem + a_off<F>(slot), r, q, a[BUF]);
     wg_fence();
     fence_acc(acc);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        if (SS)
-            wgmma_ss128(acc, sw_desc(sbase + a_off<SS>(slot) + wg * 8192 + 32 * j, 16, 1024),
+        if (F == F_SS)
+            wgmma_ss128(acc, sw_desc(sbase + a_off<F>(slot) + wg * 8192 + 32 * j, 16, 1024),
                         sw_desc(xs + 32 * j, 16, 1024));
+        else if (F == F_WB)                                   // the warpgroup's 64 rows: 8 row groups of 128 B on
+            wgmma_ss128(acc, x_desc(sbase + a_off<F>(slot) + wg * 1024 + j * W_XSTEP), x_desc(xs + j * W_XSTEP));
         else
             wgmma_n<128>(acc, a[BUF][j], x_desc(xs + j * W_XSTEP));
     }
@@ -410,6 +479,19 @@ __device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc,
     }
 }
 
+// `_wb`'s epilogue: the tile's f32 sums as they are (store_out's bytes for bf16 W and f32 out: no scale, no rounding),
+// from the D fragments straight to Y (T, N) f32; lane (g, q) of warp w holds rows row = row0 + 16 w + g and row + 8,
+// tokens t0 + 8 n + 2 q + {0, 1}. Each store instruction writes 8 consecutive rows of 4 tokens: whole 32-byte sectors.
+__device__ __forceinline__ void wb_store_tile(const float (&tot)[64], const Proj &p0, int row, int t0, int T) {
+    const int q = threadIdx.x & 3;
+    float *y = reinterpret_cast<float *>(p0.Y);
+#pragma unroll
+    for (int e = 0; e < 64; ++e) {
+        const int r = row + ((e & 2) ? 8 : 0), tok = t0 + 8 * (e >> 2) + 2 * q + (e & 1);
+        if (r < p0.N && tok < T) y[(size_t)tok * p0.N + r] = tot[e];
+    }
+}
+
 // Compute warpgroups, per tile: the mainloop, then scale, round and store (ws_store_tile). Gelu: the two warpgroups
 // hold the gate (0) and up (1) sums of the same outputs and each stores half of them, gelu_mul(gate, up) into
 // projection 0's Y as store_out<.., GELU> does: warpgroup 0 the tokens 0..63 of the tile (elements e < 32), 1 the
@@ -417,7 +499,7 @@ __device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc,
 // through shared memory: `gate` (warpgroup 0's, e >= 32) and `up` (warpgroup 1's, e < 32), 8 KB each; named
 // barriers 1 / 4 = gate / up written, 2 / 3 = gate / up read. (Warpgroup 1 had stored all of them while 0 waited:
 // T = 2048 142.1 -> 128.5 us, 343 -> 379 TFLOP/s against the plain tile's ~425; sixteenth session.)
-template <bool GELU, bool SS, bool SLOTS>
+template <bool GELU, int F, bool SLOTS>
 __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T,
                                            int K, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
@@ -425,7 +507,7 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the tile
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
-    __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + ring_smem<SS>());   // [(e - 32) * 128 + thread in group]
+    __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + ring_smem<F>());    // [(e - 32) * 128 + thread in group]
     __nv_bfloat16 *up = gate + 32 * 128;                                        // [e * 128 + thread in group]
     const int wg = warpgroup(), tg = threadIdx.x & 127;
     if (GELU) {                                               // both buffers start free
@@ -440,15 +522,16 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     float tot[64];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int row0, t0;
-        const Proj p0 = tile_proj<SS, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
+        const Proj p0 = tile_proj<F == F_SS, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
         const bool upw = GELU && wg == 1;                   // gelu: warpgroup 1 holds the up projection's sums
-        const float2 sc = row_scales(upw ? q1.S : p0.S, upw ? q1.sa : p0.sa, p0.N, row0 + rr);
+        const float2 sc = F == F_WB ? make_float2(0.f, 0.f)  // (bf16 W: no scale)
+                                    : row_scales(upw ? q1.S : p0.S, upw ? q1.sa : p0.sa, p0.N, row0 + rr);
 #pragma unroll
         for (int e = 0; e < 64; ++e) tot[e] = -0.f;
         int pend = -1;
         for (int n = 0, u = 0; n < units; n += 2) {
-            ws_unit<SS, 0>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
-            if (n + 1 < units) ws_unit<SS, 1>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
+            ws_unit<F, 0>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
+            if (n + 1 < units) ws_unit<F, 1>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
         }
         wg_wait<0>();                                         // (a no-op: the last unit was a slice end) so that
         fence_acc(acc);                                       // ptxas need not wait in the loop
@@ -460,22 +543,25 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
             if (wg == 0)
                 ws_gelu_half<0, SLOTS>(tot, p0, sc, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
             else ws_gelu_half<1, SLOTS>(tot, p0, sc, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+        } else if (F == F_WB) {
+            wb_store_tile(tot, p0, row0 + rr, t0, T);
         } else {
-            ws_store_tile(tot, sc, p0, sbase + ring_smem<SS>(), row0, t0, T);
+            ws_store_tile(tot, sc, p0, sbase + ring_smem<F>(), row0, t0, T);
         }
     }
 }
 
-template <bool GELU, bool SS, bool SLOTS>
+template <bool GELU, int F, bool SLOTS>
 __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int T, int K, const Proj &q0,
                                         const Proj &q1, const Proj &q2, const Proj &q3) {
     extern __shared__ __align__(1024) uint8_t smem[];        // (`_ss`: swizzled atoms, 1024-byte aligned)
-    constexpr int S = ring_stages<SS>();
+    constexpr bool SS = F == F_SS;
+    constexpr int S = ring_stages<F>();
     pdl_trigger();
     pdl_wait();
     const uint32_t sbase = smem_u32(smem);
     if (SS && threadIdx.x == 0 && (sbase & 1023)) __trap();  // loudly: the swizzle would read other bytes
-    const uint32_t bars = sbase + ring_bars<SS>();
+    const uint32_t bars = sbase + ring_bars<F>();
     if (threadIdx.x < S) {
         mbar_init(bars + 8 * threadIdx.x, 128);               // full: the loader's 128 threads
         mbar_init(bars + 8 * (S + threadIdx.x), 8);           // empty: the 8 compute warps
@@ -484,11 +570,12 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
     if (warpgroup() == 2) {
         regs_dec<WS_REGS_LOAD>();
         if (SS) ss_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
+        else if (F == F_WB) wb_load(sbase, bars, X, T, K, q0);
         else ws_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
         return;
     }
     regs_inc<WS_REGS_COMPUTE>();
-    ws_compute<GELU, SS, SLOTS>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
+    ws_compute<GELU, F, SLOTS>(smem, sbase, bars, X, T, K, q0, q1, q2, q3);
 }
 
 // linear.cu's signature (X, T, K, 4 x (W, S, s_arg, Y, N)); FP8 e4m3 weights with a per-tensor (s_arg 0) /
@@ -502,14 +589,18 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
         const void *W1, const float *S1, int sa1, void *Y1, int N1, const void *W2, const float *S2, int sa2,     \
         void *Y2, int N2, const void *W3, const float *S3, int sa3, void *Y3, int N3
 #define W_PROJS {{W0, S0, sa0, Y0, N0}, {W1, S1, sa1, Y1, N1}, {W2, S2, sa2, Y2, N2}, {W3, S3, sa3, Y3, N3}}
-// One entry point of the tile: ws_body<GELU, SS, SLOTS> over W_PARAMS (also `_ss`'s, at the end of the file).
-#define W_ENTRY(NAME, GELU, SS, SLOTS)                                                                          \
+// One entry point of the tile: ws_body<GELU, F, SLOTS> over W_PARAMS (also `_ss`'s, at the end of the file).
+#define W_ENTRY(NAME, GELU, F, SLOTS)                                                                           \
     extern "C" __global__ void __launch_bounds__(WS_THREADS) NAME(W_PARAMS) {                                   \
         const Proj p[4] = W_PROJS;                                                                              \
-        ws_body<GELU, SS, SLOTS>(X, T, K, p[0], p[1], p[2], p[3]);                                              \
+        ws_body<GELU, F, SLOTS>(X, T, K, p[0], p[1], p[2], p[3]);                                               \
     }
-W_ENTRY(gemm_fp8_bf16_ws, false, false, false)
-W_ENTRY(gelu_fp8_bf16_ws, true, false, false)
+W_ENTRY(gemm_fp8_bf16_ws, false, F_WS, false)
+W_ENTRY(gelu_fp8_bf16_ws, true, F_WS, false)
+// gemm_bf16_f32_ws (`_wb`, the tied head): Y_0 (T, N_0) f32 = X @ W_0^T, W_0 bf16 (N_0, K) as it is (S_0 unused; one
+// projection), the decode family's gemm_bf16_f32 bits (tot = the slice sums folded in order, stored unrounded);
+// grid (min(tiles, SMs), 1, 1), tiles = ceil(N_0 / 128) x ceil(T / 128); dynamic smem WB_SMEM.
+W_ENTRY(gemm_bf16_f32_ws, false, F_WB, false)
 
 // ---- `_ss`: the same tile with both wgmma operands from shared memory ----
 // For long prompts: the FP8 -> bf16 conversion is done once per launch instead of once per token tile, and X is put
@@ -582,8 +673,8 @@ extern "C" __global__ void __launch_bounds__(512) x16_bf16(const __nv_bfloat16 *
 
 // gemm_fp8_bf16_ss / gelu_fp8_bf16_ss: `_ws`'s launches (same arguments, grid and block) with X = x16_bf16's copy and
 // W_p = w16_fp8's (rows of Kp; K and S_p as for `_ws`); dynamic smem SS_SMEM (+ W_GATE for gelu).
-W_ENTRY(gemm_fp8_bf16_ss, false, true, false)
-W_ENTRY(gelu_fp8_bf16_ss, true, true, false)
+W_ENTRY(gemm_fp8_bf16_ss, false, F_SS, false)
+W_ENTRY(gelu_fp8_bf16_ss, true, F_SS, false)
 // gelu_fp8_bf16_ss_slots: gelu_fp8_bf16_ss with act in x16_bf16's slot order (N % 64 == 0), which the dense MLP's
 // down projection then takes as its `_ss` X without an x16_bf16 launch (layers/linear.py, model_gpu.py).
-W_ENTRY(gelu_fp8_bf16_ss_slots, true, true, true)
+W_ENTRY(gelu_fp8_bf16_ss_slots, true, F_SS, true)

@@ -26,6 +26,13 @@ G128_MIN_T = 512
 # 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the decode family re-read each row of
 # the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
 G128_F32_MIN_T = 65
+# From WB_MIN_T tokens the head takes `_wb` instead (kernels_ptx/linear_sm90a.cu gemm_bf16_f32_ws, sm_90 GPUs only):
+# `_ws`'s persistent wgmma tile (128 rows x 128 tokens) with the bf16 table copied as it is, both operands from shared
+# memory, f32 out; the same bits as the decode family. H200, 2026-12-02, graph-replayed, the same bytes, us (the pick
+# above / `_wb`): T = 32 481 / 530, 33 775 / 530, 64 860 / 549, 96 1,082 / 575, 128 1,084 / 591 (`_wb` reads the table
+# once, at 2.5-2.8 TB/s); decode graphs at batch 64 / 96 / 128 13.23 / 16.72 / 19.27 -> 12.90 / 16.19 / 18.72 ms. None:
+# off.
+WB_MIN_T = 33
 G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # The wgmma tile `_ws` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens a tile, persistent,
 # the same bits as every other tile) for plain / multi / gelu launches of FP8 tensor / channel weights from W_MIN_T
@@ -39,6 +46,7 @@ W_GATE = 64 * 2 * 128                                               # gelu: + th
 W_OUT = 128 * 128 * 2                                               # plain: + the tile's outputs on their way out
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
 WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
+WB_SMEM = 6 * 2 * 4 * (128 * 32 + 32) + 2 * 6 * 8                   # `_wb`: 6 stages of W and X + their mbarriers
 # `_ss` (linear_sm90a.cu): the `_ws` tile from bf16 copies of its FP8 weights (w16_fp8) and of X (x16_bf16), each
 # unit's columns put in the k16 steps' slot order once per launch, so that the loader copies whole 128-byte lines of
 # both wgmma operands and the compute warps convert nothing; the same bits. The copies go to the GPU's 'w16' / 'x16'
@@ -298,8 +306,8 @@ def _wgmma_tile(g, kernel, t, k, projs, gelu=False, x_slots=False):
 def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
     """One launch of `kernel` (linear.cu signature) over up to 4 projections [(w_ptr, s, s_arg, out, n)] of
     x (T, K); gelu: projs = [gate, up] and projs[0]'s out is act. Picks a prefill tile (`_ws` from W_MIN_T,
-    `_g128` from G128_MIN_T (bf16 -> f32: G128_F32_MIN_T), else `_p`) or the decode family (DECODE_VARIANT) by T
-    (same bits either way).
+    `_g128` from G128_MIN_T (bf16 -> f32: G128_F32_MIN_T, and the head's `_wb` from WB_MIN_T before it), else `_p`)
+    or the decode family (DECODE_VARIANT) by T (same bits either way).
     slots (gelu) / x_slots: act goes out / x comes in x16_bf16's slot order; both only on `_ss` (mlp_gpu)."""
     t, k = x.shape
     rows = [n for *_, n in projs]
@@ -321,6 +329,13 @@ def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
         g.launch(f, grid=(min(_w_tiles(t, projs, gelu), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
                  shared=(SS_SMEM if tile == 'ss' else WS_SMEM) + (W_GATE if gelu else W_OUT),
                  nbytes=2 * _kp(k) * sum(rows) if tile == 'ss' else wbytes, flops=flops, pdl=True)
+        return
+    if kernel == 'gemm_bf16_f32' and WB_MIN_T is not None and t >= WB_MIN_T and len(projs) == 1 \
+            and g.capability == (9, 0):
+        tiles = -(-rows[0] // 128) * -(-t // 128)
+        f = g.module('linear_sm90a').function('gemm_bf16_f32_ws')
+        g.launch(f, grid=(min(tiles, g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args, shared=WB_SMEM,
+                 nbytes=wbytes, flops=flops, pdl=True)
         return
     g128 = G128_F32_MIN_T if kernel == 'gemm_bf16_f32' else G128_MIN_T
     if g128 is not None and t >= max(g128, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
