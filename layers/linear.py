@@ -21,8 +21,8 @@ PREFILL_MIN_T = 65                      # T from which a prefill tile runs (same
 # `_g128` (128 x 128, slice-major: plain and multi launches of FP8 tensor / channel and bf16 weights; see linear.cu
 # for the H200 times that set the threshold). Same bits either way. G128_MIN_T = None: `_p` only.
 G128_MIN_T = 512
-# The tied head's family (bf16 weights, f32 out: 262,144 rows) takes `_g128` from 65 tokens (the decode buckets 96 and
-# 128): H200, 2026-12-01, graph-replayed, the same bytes, us (decode family / `_p` / `_g128`): T = 64 860 / 924 /
+# The tied head's family (bf16 weights, f32 out: 262,144 rows) takes `_g128` from 65 tokens where `_wb` (below) does
+# not run (GPUs other than sm_90, WB_MIN_T None): H200, 2026-12-01, graph-replayed, the same bytes, us (decode family / `_p` / `_g128`): T = 64 860 / 924 /
 # 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the decode family re-read each row of
 # the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
 G128_F32_MIN_T = 65
