@@ -3640,8 +3640,9 @@ def _lin_head_table(rng, v, h):
 def test_gpu_linear_head(lin_g):
     """The tied head against float64 at T = 1, 3, 17 (the decode family), 33, 64, 100 and 130 (`_wb` from WB_MIN_T; two
     token tiles at 130), then 100 on `_g128` (WB_MIN_T off); each row of the launches from 17 rows byte-equal to the
-    same row alone (T = 1). Then `_wb` on tables of odd shapes (a part row tile, a part 64-column unit, fewer units than
-    the 8 slices) and on 5 CTAs (each runs many tiles, its stage ring wrapping across them), row by row against T = 1."""
+    same row alone (T = 1). Then `_wb` on tables of odd shapes (a part row tile, a part 64-column unit, fewer units
+    than the 8 slices) and on 5 CTAs (each runs many tiles, its stage ring wrapping across them), row by row against
+    T = 1."""
     g, rng = lin_g, np.random.default_rng(4)
     v, h = 262144, 2816
     table, ref = _lin_head_table(rng, v, h)
@@ -6826,8 +6827,8 @@ def _with_tile(tile, fn):
          lin_mod.WB_MIN_T) = saved
 
 
-# `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` / `_p`,
-# but for the f32-out launch (the head's family), which takes `_wb`
+# `ws` / `ss` (wgmma) take FP8 tensor / channel plain, multi and gelu launches; bf16 weights fall back to `_g128` /
+# `_p`, but for the f32-out launch (the head's family), which takes `_wb`
 _TILES = ('p', 'g128', 'ws', 'ss')
 
 
@@ -6896,11 +6897,11 @@ def _fake_linear(fmt, n, k):
 
 
 def test_linear_head_tile_choice():
-    """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 16
-    tokens (n4m1r2b2t from 17: one 32-token tile of every 16 rows) and the wgmma tile `_wb` (persistent: min(tiles, SMs)
-    CTAs, tiles of 128 rows x 128 tokens) from WB_MIN_T = 33 on sm_90; without it (WB_MIN_T None, or another GPU) the decode family up to 64 tokens and `_g128` (one 128-token
-    tile of every 128 rows) from G128_F32_MIN_T = 65, while other bf16 launches keep G128_MIN_T; with G128_F32_MIN_T
-    None too the head takes `_p` there."""
+    """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 32
+    tokens (n4m1r2b2t from 17: one 32-token tile of every 16 rows) and the wgmma tile `_wb` (persistent: min(tiles,
+    SMs) CTAs, tiles of 128 rows x 128 tokens) from WB_MIN_T = 33 on sm_90. Without it (WB_MIN_T None, or another GPU)
+    the decode family runs up to 64 tokens and `_g128` (one 128-token tile of every 128 rows) from G128_F32_MIN_T =
+    65, while other bf16 launches keep G128_MIN_T; with G128_F32_MIN_T None too the head takes `_p` there."""
     from layers.linear import head_gpu
     V, H = 262144, 2816
     arr = lambda *shape, dt=BF16: types.SimpleNamespace(shape=shape, dtype=dt, ptr=1024,

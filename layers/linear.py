@@ -22,9 +22,9 @@ PREFILL_MIN_T = 65                      # T from which a prefill tile runs (same
 # for the H200 times that set the threshold). Same bits either way. G128_MIN_T = None: `_p` only.
 G128_MIN_T = 512
 # The tied head's family (bf16 weights, f32 out: 262,144 rows) takes `_g128` from 65 tokens where `_wb` (below) does
-# not run (GPUs other than sm_90, WB_MIN_T None): H200, 2026-12-01, graph-replayed, the same bytes, us (decode family / `_p` / `_g128`): T = 64 860 / 924 /
-# 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the decode family re-read each row of
-# the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
+# not run (GPUs other than sm_90, WB_MIN_T None): H200, 2026-12-01, graph-replayed, the same bytes, us (decode family /
+# `_p` / `_g128`): T = 64 860 / 924 / 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the
+# decode family re-read each row of the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
 G128_F32_MIN_T = 65
 # From WB_MIN_T tokens the head takes `_wb` instead (kernels_ptx/linear_sm90a.cu gemm_bf16_f32_ws, sm_90 GPUs only):
 # `_ws`'s persistent wgmma tile (128 rows x 128 tokens) with the bf16 table copied as it is, both operands from shared
