@@ -332,9 +332,8 @@ def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
         return
     if kernel == 'gemm_bf16_f32' and WB_MIN_T is not None and t >= WB_MIN_T and len(projs) == 1 \
             and g.capability == (9, 0):
-        tiles = -(-rows[0] // 128) * -(-t // 128)
         f = g.module('linear_sm90a').function('gemm_bf16_f32_ws')
-        g.launch(f, grid=(min(tiles, g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args, shared=WB_SMEM,
+        g.launch(f, grid=(min(_w_tiles(t, projs, False), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args, shared=WB_SMEM,
                  nbytes=wbytes, flops=flops, pdl=True)
         return
     g128 = G128_F32_MIN_T if kernel == 'gemm_bf16_f32' else G128_MIN_T
