@@ -3638,11 +3638,12 @@ def _lin_head_table(rng, v, h):
 
 @needs_gpu
 def test_gpu_linear_head(lin_g):
-    """The tied head against float64 at T = 1, 3, 17 (the decode family), 33, 64, 100 and 130 (`_wb` from WB_MIN_T; two
-    token tiles at 130), then 100 on `_g128` (WB_MIN_T off); each row of the launches from 17 rows byte-equal to the
-    same row alone (T = 1). Then `_wb` on tables of odd shapes (a part row tile, a part 64-column unit, fewer units
-    than the 8 slices) and on 5 CTAs (each runs many tiles, its stage ring wrapping across them), row by row against
-    T = 1."""
+    """The tied head against float64 at T = 1, 3, 17 (the decode family), 33, 64 (`_wb`'s 64-token tile), 100 and 130
+    (its 128-token tile; two token tiles at 130), then 100 on `_g128` (WB_MIN_T off); each row of the launches from 17
+    rows byte-equal to the same row alone (T = 1), and each 64-token `_wb` launch byte-equal to the 128-token tile's
+    (WB_TOK = (128,)). Then `_wb` on tables of odd shapes (a part row tile, a part 64-column unit, fewer units
+    than the 8 slices) and on 3 / 5 CTAs (each runs many tiles, its stage ring wrapping across them), row by row
+    against T = 1."""
     g, rng = lin_g, np.random.default_rng(4)
     v, h = 262144, 2816
     table, ref = _lin_head_table(rng, v, h)
@@ -3656,23 +3657,28 @@ def test_gpu_linear_head(lin_g):
             assert g.download(one).tobytes() == y[r:r + 1].tobytes(), (t, n, r)
             g.free(xd), g.free(one)
 
-    for t, wb in ((1, True), (3, True), (17, True), (33, True), (64, True), (100, True), (130, True), (100, False)):
-        x = rng.standard_normal((t, h), np.float32).astype(BF16)
-        xd, out = g.upload(x), g.empty((t, v), np.float32)
+    def head(xd, out, wb=True, tok=lin_mod.WB_TOK):
         g.fill(out, 0xFF)
-        saved = lin_mod.WB_MIN_T
-        lin_mod.WB_MIN_T = saved if wb else None
+        saved = lin_mod.WB_MIN_T, lin_mod.WB_TOK
+        lin_mod.WB_MIN_T, lin_mod.WB_TOK = saved[0] if wb else None, tok
         try:
             head_gpu(g, xd, td, out)
         finally:
-            lin_mod.WB_MIN_T = saved
-        y = g.download(out)
+            lin_mod.WB_MIN_T, lin_mod.WB_TOK = saved
+        return g.download(out)
+
+    for t, wb in ((1, True), (3, True), (17, True), (33, True), (64, True), (100, True), (130, True), (100, False)):
+        x = rng.standard_normal((t, h), np.float32).astype(BF16)
+        xd, out = g.upload(x), g.empty((t, v), np.float32)
+        y = head(xd, out, wb)
         _lin_check(f'head V={v} H={h} T={t}' + ('' if wb else ' (_g128)'), y, ref(x).reshape(t, v))
+        if wb and 33 <= t <= 64:                              # the 64-token tile against the 128-token one
+            assert head(xd, out, tok=(128,)).tobytes() == y.tobytes(), t
         g.free(xd), g.free(out)
         rows_alone(x, td, y, t, v, (0, t // 2, t - 1) if t >= 17 else ())
     g.free(td)
     for (n, k), t, sms in (((1000, 2832), 40, None), ((300, 208), 130, None), ((17, 48), 36, None),
-                           ((1000, 704), 130, 5)):
+                           ((1000, 704), 130, 5), ((1000, 2832), 50, 3)):
         tab = (rng.standard_normal((n, k), np.float32) * 0.05).astype(BF16)
         x = rng.standard_normal((t, k), np.float32).astype(BF16)
         td, xd, out = g.upload(tab), g.upload(x), g.empty((t, n), np.float32)
@@ -6899,26 +6905,40 @@ def _fake_linear(fmt, n, k):
 def test_linear_head_tile_choice():
     """layers.linear's launcher (no device): the tied head (bf16 weights, f32 out) runs the decode family up to 32
     tokens (n4m1r2b2t from 17: one 32-token tile of every 16 rows) and the wgmma tile `_wb` (persistent: min(tiles,
-    SMs) CTAs, tiles of 128 rows x 128 tokens) from WB_MIN_T = 33 on sm_90. Without it (WB_MIN_T None, or another GPU)
+    SMs) CTAs, tiles of 128 rows x 64 or 128 tokens, the narrowest that holds T, else 128) from WB_MIN_T = 33 on
+    sm_90; with WB_TOK = (128,) only the 128-token tile. Without it (WB_MIN_T None, or another GPU)
     the decode family runs up to 64 tokens and `_g128` (one 128-token tile of every 128 rows) from G128_F32_MIN_T =
     65, while other bf16 launches keep G128_MIN_T; with G128_F32_MIN_T None too the head takes `_p` there."""
     from layers.linear import head_gpu
     V, H = 262144, 2816
     arr = lambda *shape, dt=BF16: types.SimpleNamespace(shape=shape, dtype=dt, ptr=1024,
                                                        nbytes=int(np.prod(shape)) * np.dtype(dt).itemsize)
-    assert lin_mod.WB_MIN_T == 33
-    for t, want in ((16, 'linear.gemm_bf16_f32_t16'), (32, 'linear.gemm_bf16_f32_n4m1r2b2t'),
-                    (33, 'linear_sm90a.gemm_bf16_f32_ws'), (64, 'linear_sm90a.gemm_bf16_f32_ws'),
-                    (130, 'linear_sm90a.gemm_bf16_f32_ws')):
+    assert lin_mod.WB_MIN_T == 33 and lin_mod.WB_TOK == (64, 128)
+    # stage bytes: W 4 k16 steps x (128 rows x 32 B + 32), X the same for the tile's tokens; + 2 mbarriers a stage
+    assert lin_mod.WB_SMEM == {64: 8 * (16512 + 8320) + 128, 128: 6 * (2 * 16512) + 96}
+    for t, want, nt in ((16, 'linear.gemm_bf16_f32_t16', 0), (32, 'linear.gemm_bf16_f32_n4m1r2b2t', 0),
+                        (33, 'linear_sm90a.gemm_bf16_f32_ws64', 64), (64, 'linear_sm90a.gemm_bf16_f32_ws64', 64),
+                        (65, 'linear_sm90a.gemm_bf16_f32_ws', 128), (130, 'linear_sm90a.gemm_bf16_f32_ws', 128)):
         g = _LaunchLog()
         head_gpu(g, arr(t, H), arr(V, H), arr(t, V, dt=np.float32))
         assert [f for f, *_ in g.launches] == [want], (t, g.launches)
-        if want.endswith('_ws'):
-            assert g.launches[0][1:3] == ((132, 1, 1), lin_mod.WB_SMEM) and g.blocks[0] == (lin_mod.WS_THREADS, 1, 1)
-            assert g.pdl[0] and lin_mod.WB_SMEM == 6 * (2 * 16512) + 96, g.launches
+        if nt:
+            assert g.launches[0][1:3] == ((132, 1, 1), lin_mod.WB_SMEM[nt]) and g.blocks[0] == (lin_mod.WS_THREADS, 1, 1)
+            assert g.pdl[0], g.launches
+    saved = lin_mod.WB_TOK
+    lin_mod.WB_TOK = (128,)
+    try:
+        g = _LaunchLog()
+        head_gpu(g, arr(64, H), arr(V, H), arr(64, V, dt=np.float32))
+    finally:
+        lin_mod.WB_TOK = saved
+    assert g.launches[0][:3] == ('linear_sm90a.gemm_bf16_f32_ws', (132, 1, 1), lin_mod.WB_SMEM[128]), g.launches
     g = _LaunchLog(sm_count=7)                                # fewer tiles than SMs, or fewer SMs: min(tiles, SMs)
     head_gpu(g, arr(40, H), arr(300, H), arr(40, 300, dt=np.float32))
     assert g.launches[0][1] == (3, 1, 1), g.launches
+    g = _LaunchLog(sm_count=7)                                # 3 row tiles x 2 token tiles of 128 (T = 130)
+    head_gpu(g, arr(130, H), arr(300, H), arr(130, 300, dt=np.float32))
+    assert g.launches[0][:2] == ('linear_sm90a.gemm_bf16_f32_ws', (6, 1, 1)), g.launches
     g = _LaunchLog(capability=(8, 0))
     head_gpu(g, arr(64, H), arr(V, H), arr(64, V, dt=np.float32))
     assert g.launches[0][0] == 'linear.gemm_bf16_f32_n4m1r2b2t', g.launches

@@ -301,7 +301,7 @@ template <int D, bool SLOTS> __device__ __forceinline__ void wg_tile(ATTN_ARGS) 
             const uint64_t da = sw_desc(qa, 16, 1024), db = sw_desc(kb, 16, 1024);
 #pragma unroll
             for (int ks = 0; ks < D / 16; ks++)
-                wgmma_ss32(t, desc_step(da, (ks >> 2) * WATOM + (ks & 3) * 32),
+                wgmma_ss<32>(t, desc_step(da, (ks >> 2) * WATOM + (ks & 3) * 32),
                            desc_step(db, (ks >> 2) * WATOM + (ks & 3) * 32));
             wg_commit();
             fence_acc(t);

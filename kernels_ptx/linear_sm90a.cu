@@ -59,10 +59,10 @@
 #define W_GATE (64 * 2 * 128)               // gelu: + the gate and up halves the warpgroups exchange (bf16)
 #define W_OUT (W_TOK * W_ROWS * 2)          // plain: + the tile's bf16 outputs on their way out (ws_store_tile)
 
-// Shared-memory matrix descriptor, no swizzle: start address, leading (k half) byte offset W_TOK * 16 (the 16 token
-// groups of one k half lie side by side, 2 KB), stride (token group) byte offset 128.
-__device__ __forceinline__ uint64_t x_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((W_TOK * 16) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
+// Shared-memory matrix descriptor, no swizzle: start address, leading (k half) byte offset NT * 16 (the NT / 8 token
+// groups of one k half lie side by side: 2 KB for a tile of W_TOK tokens), stride (token group) byte offset 128.
+template <int NT = W_TOK> __device__ __forceinline__ uint64_t x_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((NT * 16) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
 }
 
 // Slice-major order (linear_common.cuh slice_major_unit), one step at a time: the unit after u.
@@ -101,42 +101,44 @@ __device__ __forceinline__ void w_stage_a(const uint8_t *sw, int r, int q, uint3
 #define SS_STAGES 6
 #define SS_BARS (SS_STAGES * 2 * S_ABYTES)
 #define SS_SMEM (SS_BARS + 2 * SS_STAGES * 8)   // 196,704 B dynamic smem (+ W_OUT: 229,472; gelu + W_GATE: 213,088)
-// `_ws` for bf16 weights and f32 outputs (the tied head, gemm_bf16_f32_ws; see its entry): stage m % WB_STAGES is the
-// unit's 128 W rows in X's layout (the same 8-byte pieces, rows for tokens), then X, so that both wgmma operands come
-// from shared memory at the same slots and the compute warps convert nothing.
-#define WB_STAGE (2 * W_XBYTES)             // 33,024 B
-#define WB_STAGES 6
-#define WB_BARS (WB_STAGES * WB_STAGE)
-#define WB_SMEM (WB_BARS + 2 * WB_STAGES * 8)   // 198,240 B dynamic smem (the f32 outputs go out from registers)
+// `_ws` for bf16 weights and f32 outputs (the tied head, gemm_bf16_f32_ws / _ws64; see their entries), in tiles of
+// NT = 128 or 64 tokens (forms F_WB, F_WB64): stage m % stages is the unit's 128 W rows in X's layout (the same 8-byte
+// pieces, rows for tokens), then the NT tokens of X in the same layout, so that both wgmma operands come from shared
+// memory at the same slots and the compute warps convert nothing. The f32 outputs go out from registers.
+#define W_XSTEP_N(NT) ((NT) * 32 + 32)      // bytes per k16 step of NT tokens (W_XSTEP: W_TOK)
+#define WB_STAGE_N(NT) (W_XBYTES + 4 * W_XSTEP_N(NT))   // 33,024 / 24,832 B for NT = 128 / 64
 // The tile's forms: `_ws` (FP8 W converted into registers), `_ss` (bf16 copies, swizzled) and `_wb` (bf16 W as it is,
-// the head). Per form: stages, smem bytes before the gelu buffers, the mbarriers' offset, and the offsets of stage
-// `slot`'s W (A) and X (B) bytes.
-enum { F_WS = 0, F_SS = 1, F_WB = 2 };
+// the head; two token widths). Per form: tokens a tile, stages, smem bytes before the gelu buffers, the mbarriers'
+// offset, and the offsets of stage `slot`'s W (A) and X (B) bytes. `_wb`: 6 / 8 stages (198,240 / 198,784 B).
+enum { F_WS = 0, F_SS = 1, F_WB = 2, F_WB64 = 3 };
+template <int F> __host__ __device__ constexpr bool is_wb() { return F == F_WB || F == F_WB64; }
+template <int F> __host__ __device__ constexpr int tile_tok() { return F == F_WB64 ? 64 : W_TOK; }
 template <int F> __host__ __device__ constexpr int ring_stages() {
-    return F == F_SS ? SS_STAGES : F == F_WB ? WB_STAGES : WS_STAGES;
-}
-template <int F> __host__ __device__ constexpr int ring_smem() {
-    return F == F_SS ? SS_SMEM : F == F_WB ? WB_SMEM : WS_SMEM;
+    return F == F_SS ? SS_STAGES : F == F_WB ? 6 : F == F_WB64 ? 8 : WS_STAGES;
 }
 template <int F> __host__ __device__ constexpr uint32_t ring_bars() {
-    return F == F_SS ? SS_BARS : F == F_WB ? WB_BARS : WS_BARS;
+    return F == F_SS ? SS_BARS : is_wb<F>() ? ring_stages<F>() * WB_STAGE_N(tile_tok<F>()) : WS_BARS;
+}
+template <int F> __host__ __device__ constexpr int ring_smem() {
+    return F == F_SS ? SS_SMEM : is_wb<F>() ? ring_bars<F>() + 2 * ring_stages<F>() * 8 : WS_SMEM;
 }
 template <int F> __device__ __forceinline__ uint32_t a_off(uint32_t slot) {
-    return F == F_SS ? slot * 2 * S_ABYTES : F == F_WB ? slot * WB_STAGE : slot * W_STAGE;
+    return F == F_SS ? slot * 2 * S_ABYTES : is_wb<F>() ? slot * WB_STAGE_N(tile_tok<F>()) : slot * W_STAGE;
 }
 template <int F> __device__ __forceinline__ uint32_t x_off(uint32_t slot) {
-    return F == F_SS   ? slot * 2 * S_ABYTES + S_ABYTES
-           : F == F_WB ? slot * WB_STAGE + W_XBYTES
-                       : slot * W_STAGE + W_WBYTES;
+    return F == F_SS     ? slot * 2 * S_ABYTES + S_ABYTES
+           : is_wb<F>() ? slot * WB_STAGE_N(tile_tok<F>()) + W_XBYTES
+                        : slot * W_STAGE + W_WBYTES;
 }
-// Tile `tile` of a launch -> row tile b and first token t0. `_ws`: row tiles fastest (as the decode order); `_ss`:
-// token tiles fastest, so that the CTAs running at once share a few row tiles of the bf16 W copy (twice the FP8
-// bytes: a 2,048-token q+k+v's 46 MB, re-read from DRAM for every token tile the other way) and all of X's copy.
-template <bool SS>
+// Tile `tile` of a launch -> row tile b and first token t0 (tiles of NT tokens). `_ws`: row tiles fastest (as the
+// decode order); `_ss`: token tiles fastest, so that the CTAs running at once share a few row tiles of the bf16 W copy
+// (twice the FP8 bytes: a 2,048-token q+k+v's 46 MB, re-read from DRAM for every token tile the other way) and all of
+// X's copy.
+template <bool SS, int NT = W_TOK>
 __device__ __forceinline__ void tile_at(int tile, int row_tiles, int T, int &b, int &t0) {
-    const int token_tiles = (T + W_TOK - 1) / W_TOK;
+    const int token_tiles = (T + NT - 1) / NT;
     b = SS ? tile / token_tiles : tile % row_tiles;
-    t0 = (SS ? tile % token_tiles : tile / row_tiles) * W_TOK;
+    t0 = (SS ? tile % token_tiles : tile / row_tiles) * NT;
 }
 
 // The mbarriers of a ring of S stages: full[S], empty[S].
@@ -171,12 +173,12 @@ __device__ __forceinline__ int ws_row_tiles(const Proj &q0, const Proj &q1, cons
     return (q0.N + RT - 1) / RT + (q1.N + RT - 1) / RT + (q2.N + RT - 1) / RT + (q3.N + RT - 1) / RT;
 }
 // Tile `tile` of a launch (tile_at): its projection, first W row (row0, within that projection's rows) and first token.
-template <bool SS, bool GELU>
+template <bool SS, bool GELU, int NT = W_TOK>
 __device__ __forceinline__ Proj tile_proj(int tile, int row_tiles, int T, const Proj &q0, const Proj &q1,
                                           const Proj &q2, const Proj &q3, int &row0, int &t0) {
     constexpr int RT = GELU ? 64 : W_ROWS;
     int b;
-    tile_at<SS>(tile, row_tiles, T, b, t0);
+    tile_at<SS, NT>(tile, row_tiles, T, b, t0);
     const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
     row0 = b * RT;
     return p0;
@@ -192,24 +194,27 @@ __device__ __forceinline__ Proj tile_proj(int tile, int row_tiles, int T, const 
 // columns past K are zero-filled (units with k0 + 64 > K: none in the real model's shapes): 20 cp.async and ~40
 // other instructions a unit.
 
-// One unit of 8 rows of a bf16 operand in X's layout (ws_load's X pieces; wb_load's W rows too): row i's 8-byte piece
-// at the thread's column (src[i] points there) to dst + 256 i, the piece 32 columns on to dst + W_TOK * 16 + 256 i.
-// xl_edge: a unit with k0 + 64 > K, columns past K zero-filled (xcol: the thread's column; zsrc: any valid address).
+// One unit of the thread's NT / 16 rows of a bf16 operand of NT rows in X's layout (ws_load's X pieces; wb_load's W
+// rows too): row i's 8-byte piece at the thread's column (src[i] points there) to dst + 256 i, the piece 32 columns on
+// to dst + NT * 16 + 256 i. xl_edge: a unit with k0 + 64 > K, columns past K zero-filled (xcol: the thread's column;
+// zsrc: any valid address).
+template <int NT = W_TOK>
 __device__ __forceinline__ void xl_whole(uint32_t dst, const __nv_bfloat16 *const (&src)[8], int k0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < NT / 16; ++i) {
         cp_async8_full(dst + 256 * i, src[i] + k0);
-        cp_async8_full(dst + W_TOK * 16 + 256 * i, src[i] + k0 + 32);
+        cp_async8_full(dst + NT * 16 + 256 * i, src[i] + k0 + 32);
     }
 }
+template <int NT = W_TOK>
 __device__ __forceinline__ void xl_edge(uint32_t dst, const __nv_bfloat16 *const (&src)[8], int k0, int K, int xcol,
                                         const void *zsrc) {
 #pragma unroll
     for (int kc = 0; kc < 2; ++kc)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < NT / 16; ++i) {
             const bool ok = k0 + 32 * kc + xcol < K;
-            cp_async8(dst + (W_TOK * 16) * kc + 256 * i, ok ? (const void *)(src[i] + k0 + 32 * kc) : zsrc, ok);
+            cp_async8(dst + (NT * 16) * kc + 256 * i, ok ? (const void *)(src[i] + k0 + 32 * kc) : zsrc, ok);
         }
 }
 
@@ -298,38 +303,40 @@ __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __n
     ring_drain<S>(bars, m);
 }
 
-// `_wb`'s loader (the tied head: bf16 W, one projection): `_ws`'s X pieces for both operands, the stage's 128 W rows in
-// X's layout (row tb + 16 i where X has token tb + 16 i) and X after them. Rows past N / tokens past T: row N - 1 /
-// token T - 1 (as `_ws`).
+// `_wb`'s loader (the tied head: bf16 W; form F, tiles of NT = tile_tok<F>() tokens): `_ws`'s X pieces for both
+// operands, the stage's 128 W rows in X's layout (row tb + 16 i where X has token tb + 16 i), then the tile's NT tokens
+// of X in the same layout (tokens tb + 16 i, i < NT / 16). The tiles are walked as ws_load walks them. Rows past N /
+// tokens past T: row N - 1 / token T - 1 (as `_ws`).
+template <int F>
 __device__ __forceinline__ void wb_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
-                                        const Proj &p0) {
-    constexpr int S = WB_STAGES;
+                                        const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+    constexpr int S = ring_stages<F>(), NT = tile_tok<F>();
     const int pt = threadIdx.x - 256, lane = pt & 31;
     const int j = lane & 3, h = (lane >> 2) & 1, tb = 4 * (pt >> 5) + (lane >> 3), xcol = 16 * h + 4 * j;
-    const uint32_t dst = sbase + j * W_XSTEP + tb * 16 + h * 8;
-    const int units = (K + 63) >> 6, row_tiles = (p0.N + W_ROWS - 1) / W_ROWS;
-    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    const uint32_t wdst = sbase + j * W_XSTEP + tb * 16 + h * 8;
+    const uint32_t xdst = sbase + W_XBYTES + j * W_XSTEP_N(NT) + tb * 16 + h * 8;
+    const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<false>(q0, q1, q2, q3);
+    const int tiles = row_tiles * ((T + NT - 1) / NT);
     uint32_t m = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        int b, t0;
-        tile_at<false>(tile, row_tiles, T, b, t0);
+        int row0, t0;
+        const Proj p0 = tile_proj<false, false, NT>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
         const __nv_bfloat16 *w[8], *x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            w[i] = reinterpret_cast<const __nv_bfloat16 *>(p0.W) + (size_t)min(b * W_ROWS + tb + 16 * i, p0.N - 1) * K +
-                   xcol;
+            w[i] = reinterpret_cast<const __nv_bfloat16 *>(p0.W) + (size_t)min(row0 + tb + 16 * i, p0.N - 1) * K + xcol;
             x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
         }
         for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
             mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
             const int k0 = u << 6;
-            const uint32_t st = a_off<F_WB>(m % S);
+            const uint32_t st = a_off<F>(m % S);
             if (k0 + 64 <= K) {
-                xl_whole(dst + st, w, k0);
-                xl_whole(dst + st + W_XBYTES, x, k0);
+                xl_whole(wdst + st, w, k0);
+                xl_whole<NT>(xdst + st, x, k0);
             } else {
-                xl_edge(dst + st, w, k0, K, xcol, X);
-                xl_edge(dst + st + W_XBYTES, x, k0, K, xcol, X);
+                xl_edge(wdst + st, w, k0, K, xcol, X);
+                xl_edge<NT>(xdst + st, x, k0, K, xcol, X);
             }
             cp_async_commit();
             ring_handoff<S>(bars, m);
@@ -341,10 +348,11 @@ __device__ __forceinline__ void wb_load(uint32_t sbase, uint32_t bars, const __n
 // One unit of a compute warpgroup: A fragments into a[BUF] (SS: A read from the stage by the wgmmas: rows
 // 64 wg .. 64 wg + 63 are the warpgroup's 8 atoms, a k16 step 32 bytes on), 4 wgmmas, and the stage(s) handed back
 // (`pend`: the previous unit's stage while its wgmmas may still run). The last unit of a slice is folded into tot.
-template <int F, int BUF>
+// acc / tot: the D fragments of m64nNk16, N = the form's tokens a tile (NT / 2 a thread).
+template <int F, int BUF, int NT = tile_tok<F>()>
 __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pend, uint8_t *smem, uint32_t sbase,
-                                        uint32_t bars, int r, int q, int wg, float (&acc)[64], float (&tot)[64],
-                                        uint32_t (&a)[2][4][4]) {
+                                        uint32_t bars, int r, int q, int wg, float (&acc)[NT / 2],
+                                        float (&tot)[NT / 2], uint32_t (&a)[2][4][4]) {
     constexpr int S = ring_stages<F>();
     const uint32_t slot = m % S, xs = sbase + x_off<F>(slot);
     mbar_wait(ws_full<S>(bars, m), ws_parity<S>(m));
@@ -353,11 +361,12 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
     fence_acc(acc);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        if (F == F_SS)
-            wgmma_ss128(acc, sw_desc(sbase + a_off<F>(slot) + wg * 8192 + 32 * j, 16, 1024),
-                        sw_desc(xs + 32 * j, 16, 1024));
-        else if (F == F_WB)                                   // the warpgroup's 64 rows: 8 row groups of 128 B on
-            wgmma_ss128(acc, x_desc(sbase + a_off<F>(slot) + wg * 1024 + j * W_XSTEP), x_desc(xs + j * W_XSTEP));
+        if constexpr (F == F_SS)
+            wgmma_ss<128>(acc, sw_desc(sbase + a_off<F>(slot) + wg * 8192 + 32 * j, 16, 1024),
+                          sw_desc(xs + 32 * j, 16, 1024));
+        else if constexpr (is_wb<F>())                        // the warpgroup's 64 rows: 8 row groups of 128 B on
+            wgmma_ss<NT>(acc, x_desc(sbase + a_off<F>(slot) + wg * 1024 + j * W_XSTEP),
+                         x_desc<NT>(xs + j * W_XSTEP_N(NT)));
         else
             wgmma_n<128>(acc, a[BUF][j], x_desc(xs + j * W_XSTEP));
     }
@@ -372,7 +381,7 @@ __device__ __forceinline__ void ws_unit(int &u, int units, uint32_t &m, int &pen
         }
         pend = -1;
 #pragma unroll
-        for (int e = 0; e < 64; ++e) {                        // tot starts at -0.0f: -0 + x == x, bit for bit
+        for (int e = 0; e < NT / 2; ++e) {                    // tot starts at -0.0f: -0 + x == x, bit for bit
             tot[e] = __fadd_rn(tot[e], acc[e]);
             acc[e] = 0.f;
         }
@@ -482,11 +491,12 @@ __device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc,
 // `_wb`'s epilogue: the tile's f32 sums as they are (store_out's bytes for bf16 W and f32 out: no scale, no rounding),
 // from the D fragments straight to Y (T, N) f32; lane (g, q) of warp w holds rows row = row0 + 16 w + g and row + 8,
 // tokens t0 + 8 n + 2 q + {0, 1}. Each store instruction writes 8 consecutive rows of 4 tokens: whole 32-byte sectors.
-__device__ __forceinline__ void wb_store_tile(const float (&tot)[64], const Proj &p0, int row, int t0, int T) {
+template <int NT>
+__device__ __forceinline__ void wb_store_tile(const float (&tot)[NT / 2], const Proj &p0, int row, int t0, int T) {
     const int q = threadIdx.x & 3;
     float *y = reinterpret_cast<float *>(p0.Y);
 #pragma unroll
-    for (int e = 0; e < 64; ++e) {
+    for (int e = 0; e < NT / 2; ++e) {
         const int r = row + ((e & 2) ? 8 : 0), tok = t0 + 8 * (e >> 2) + 2 * q + (e & 1);
         if (r < p0.N && tok < T) y[(size_t)tok * p0.N + r] = tot[e];
     }
@@ -505,8 +515,9 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int r = 16 * warp + g;                              // the lane's first stage row (and r + 8)
     const int rr = GELU ? r - 64 * (warp >> 2) : r;           // the lane's first output row in the tile
+    constexpr int NT = tile_tok<F>(), E = NT / 2;             // tokens a tile; D fragment elements a thread
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
-    const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
+    const int tiles = row_tiles * ((T + NT - 1) / NT);
     __nv_bfloat16 *gate = reinterpret_cast<__nv_bfloat16 *>(smem + ring_smem<F>());    // [(e - 32) * 128 + thread in group]
     __nv_bfloat16 *up = gate + 32 * 128;                                        // [e * 128 + thread in group]
     const int wg = warpgroup(), tg = threadIdx.x & 127;
@@ -515,19 +526,19 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
         else bar_arrive<3, 256>();
     }
     uint32_t m = 0;
-    float acc[64];                                            // zero at every tile's start: each tile ends in a fold
+    float acc[E];                                             // zero at every tile's start: each tile ends in a fold
     uint32_t a[2][4][4];
 #pragma unroll
-    for (int e = 0; e < 64; ++e) acc[e] = 0.f;
-    float tot[64];
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    float tot[E];
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int row0, t0;
-        const Proj p0 = tile_proj<F == F_SS, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
+        const Proj p0 = tile_proj<F == F_SS, GELU, NT>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
         const bool upw = GELU && wg == 1;                   // gelu: warpgroup 1 holds the up projection's sums
-        const float2 sc = F == F_WB ? make_float2(0.f, 0.f)  // (bf16 W: no scale)
-                                    : row_scales(upw ? q1.S : p0.S, upw ? q1.sa : p0.sa, p0.N, row0 + rr);
+        const float2 sc = is_wb<F>() ? make_float2(0.f, 0.f)  // (bf16 W: no scale)
+                                     : row_scales(upw ? q1.S : p0.S, upw ? q1.sa : p0.sa, p0.N, row0 + rr);
 #pragma unroll
-        for (int e = 0; e < 64; ++e) tot[e] = -0.f;
+        for (int e = 0; e < E; ++e) tot[e] = -0.f;
         int pend = -1;
         for (int n = 0, u = 0; n < units; n += 2) {
             ws_unit<F, 0>(u, units, m, pend, smem, sbase, bars, r, q, wg, acc, tot, a);
@@ -537,14 +548,14 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
         fence_acc(acc);                                       // ptxas need not wait in the loop
         for (int s = units; s < SLICES; ++s)                  // empty slices (K < 512): their partial is +0.0f
 #pragma unroll
-            for (int e = 0; e < 64; ++e) tot[e] = __fadd_rn(tot[e], 0.f);
-        // D fragment of m64n128: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
-        if (GELU) {
+            for (int e = 0; e < E; ++e) tot[e] = __fadd_rn(tot[e], 0.f);
+        // D fragment of m64nNT: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
+        if constexpr (GELU) {
             if (wg == 0)
                 ws_gelu_half<0, SLOTS>(tot, p0, sc, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
             else ws_gelu_half<1, SLOTS>(tot, p0, sc, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
-        } else if (F == F_WB) {
-            wb_store_tile(tot, p0, row0 + rr, t0, T);
+        } else if constexpr (is_wb<F>()) {
+            wb_store_tile<NT>(tot, p0, row0 + rr, t0, T);
         } else {
             ws_store_tile(tot, sc, p0, sbase + ring_smem<F>(), row0, t0, T);
         }
@@ -570,7 +581,7 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
     if (warpgroup() == 2) {
         regs_dec<WS_REGS_LOAD>();
         if (SS) ss_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
-        else if (F == F_WB) wb_load(sbase, bars, X, T, K, q0);
+        else if (is_wb<F>()) wb_load<F>(sbase, bars, X, T, K, q0, q1, q2, q3);
         else ws_load<GELU>(sbase, bars, X, T, K, q0, q1, q2, q3);
         return;
     }
@@ -597,10 +608,14 @@ __device__ __forceinline__ void ws_body(const __nv_bfloat16 *__restrict__ X, int
     }
 W_ENTRY(gemm_fp8_bf16_ws, false, F_WS, false)
 W_ENTRY(gelu_fp8_bf16_ws, true, F_WS, false)
-// gemm_bf16_f32_ws (`_wb`, the tied head): Y_0 (T, N_0) f32 = X @ W_0^T, W_0 bf16 (N_0, K) as it is (S_0 unused; one
-// projection), the decode family's gemm_bf16_f32 bits (tot = the slice sums folded in order, stored unrounded);
-// grid (min(tiles, SMs), 1, 1), tiles = ceil(N_0 / 128) x ceil(T / 128); dynamic smem WB_SMEM.
+// gemm_bf16_f32_ws / _ws64 (`_wb`, the tied head): Y_p (T, N_p) f32 = X @ W_p^T, W_p bf16 (N_p, K) as it is (S_p
+// unused), the decode family's gemm_bf16_f32 bits (tot = the slice sums folded in order, stored unrounded), in tiles
+// of 128 / 64 tokens; grid (min(tiles, SMs), 1, 1), tiles = sum_p ceil(N_p / 128) x ceil(T / tokens); dynamic smem
+// ring_smem<F_WB / F_WB64>() (198,240 / 198,784 B). H200 (2026-12-02, the head alone, 262,144 x 2,816): the 64-token
+// tile 459 / 477 us at T = 33 / 64 against the 128-token tile's 527 / 549; a 96-token tile (7 stages) ran 665 / 691 us
+// at T = 80 / 96 against 558 / 574, so T > 64 takes the 128-token tile.
 W_ENTRY(gemm_bf16_f32_ws, false, F_WB, false)
+W_ENTRY(gemm_bf16_f32_ws64, false, F_WB64, false)
 
 // ---- `_ss`: the same tile with both wgmma operands from shared memory ----
 // For long prompts: the FP8 -> bf16 conversion is done once per launch instead of once per token tile, and X is put

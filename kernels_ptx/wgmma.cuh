@@ -122,15 +122,26 @@ __device__ __forceinline__ uint64_t desc_step(uint64_t desc, uint32_t bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
 }
 
-// d (64 x 128, fp32, wgmma_n's layout) += A (64 x 16, shared at desc_a) * B (16 x 128, shared at desc_b), both
-// K-major: linear_sm90a.cu's `_ss` tile (A = the bf16 W copy, B = the X copy, both 128-byte swizzled).
-__device__ __forceinline__ void wgmma_ss128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_D128 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-                 : WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28), WG_D4(32),
-                   WG_D4(36), WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60)
-                 : "l"(desc_a), "l"(desc_b));
-}
+// d (64 x N, fp32, N / 2 per thread, wgmma_n's layout) += A (64 x 16, shared at desc_a) * B (16 x N, shared at
+// desc_b), both K-major: the attention's S = Q K^T (N = 32, 128-byte swizzled), linear_sm90a.cu's `_ss` tile (128: A =
+// the bf16 W copy, B = the X copy, both swizzled) and `_wb` tiles (64, 128: no swizzle, x_desc).
+template <int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b);
+#define WGMMA_SS(N, D_REGS, DESCS, ...)                                                                                \
+    template <> __device__ __forceinline__ void wgmma_ss<N>(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b) {    \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                        \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" D_REGS "}, " DESCS                   \
+                     ", p, 1, 1, 0, 0;\n}\n"                                                                           \
+                     : __VA_ARGS__                                                                                     \
+                     : "l"(desc_a), "l"(desc_b));                                                                      \
+    }
+WGMMA_SS(32, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15", "%16, %17", WG_D4(0), WG_D4(4), WG_D4(8),
+         WG_D4(12))
+WGMMA_SS(64, "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+             "%28,%29,%30,%31",
+         "%32, %33", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24), WG_D4(28))
+WGMMA_SS(128, WG_D128, "%64, %65", WG_D4(0), WG_D4(4), WG_D4(8), WG_D4(12), WG_D4(16), WG_D4(20), WG_D4(24),
+         WG_D4(28), WG_D4(32), WG_D4(36), WG_D4(40), WG_D4(44), WG_D4(48), WG_D4(52), WG_D4(56), WG_D4(60))
+#undef WGMMA_SS
 #define WGMMA_TB1(N, ...) WGMMA_BF16_TB(N, 1, __VA_ARGS__)
 WGMMA_BF16(128, WG_N128)
 WGMMA_TB1(128, WG_N128)
@@ -140,14 +151,3 @@ WGMMA_TB1(128, WG_N128)
 #undef WG_N128
 #undef WG_D128
 #undef WG_D4
-
-// d (64 x 32, fp32, 16 per thread, wgmma_n's layout) += A (64 x 16, shared at desc_a, K-major) * B (16 x 32, shared at
-// desc_b, K-major): both operands from shared memory (the attention's S = Q K^T).
-__device__ __forceinline__ void wgmma_ss32(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,"
-                 "%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(desc_a), "l"(desc_b));
-}

@@ -46,7 +46,12 @@ W_GATE = 64 * 2 * 128                                               # gelu: + th
 W_OUT = 128 * 128 * 2                                               # plain: + the tile's outputs on their way out
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
 WS_SMEM = 8 * (128 * 64 + 4 * (128 * 32 + 32)) + 2 * 8 * 8          # 8 stages + their mbarriers
-WB_SMEM = 6 * 2 * 4 * (128 * 32 + 32) + 2 * 6 * 8                   # `_wb`: 6 stages of W and X + their mbarriers
+# `_wb`'s token tiles: gemm_bf16_f32_ws64 / _ws (64 / 128 tokens); a launch takes the narrowest that holds T (128
+# above). H200, 2026-12-02, the head alone, us (64 / 128-token tile): T = 33 459 / 527, 64 477 / 549 (a 96-token tile
+# was slower than 128's at T = 80 / 96: linear_sm90a.cu); the batch-64 decode graph 13.29 -> 13.21 ms. Dynamic smem:
+# 8 / 6 stages of W (128 rows) and X (the tile's tokens) + their mbarriers.
+WB_TOK = (64, 128)
+WB_SMEM = {nt: s * 4 * ((128 * 32 + 32) + (nt * 32 + 32)) + 2 * s * 8 for nt, s in ((64, 8), (128, 6))}
 # `_ss` (linear_sm90a.cu): the `_ws` tile from bf16 copies of its FP8 weights (w16_fp8) and of X (x16_bf16), each
 # unit's columns put in the k16 steps' slot order once per launch, so that the loader copies whole 128-byte lines of
 # both wgmma operands and the compute warps convert nothing; the same bits. The copies go to the GPU's 'w16' / 'x16'
@@ -288,10 +293,10 @@ def _gemm_smem(kernel):
     return G_STAGES * (G_ROWS * wstride + 128 * G_XSTRIDE) + 64 * 4 * THREADS
 
 
-def _w_tiles(t, projs, gelu):
-    """Tiles of a wgmma launch: 128 rows x 128 tokens (gelu: 64 gate and 64 up rows)."""
+def _w_tiles(t, projs, gelu, tok=128):
+    """Tiles of a wgmma launch: 128 rows x `tok` tokens (gelu: 64 gate and 64 up rows)."""
     rows = [n for *_, n in projs]
-    return (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // 128)
+    return (-(-rows[0] // 64) if gelu else sum(-(-n // 128) for n in rows)) * -(-t // tok)
 
 
 def _wgmma_tile(g, kernel, t, k, projs, gelu=False, x_slots=False):
@@ -332,9 +337,10 @@ def _launch(g, kernel, x, projs, gelu=False, slots=False, x_slots=False):
         return
     if kernel == 'gemm_bf16_f32' and WB_MIN_T is not None and t >= WB_MIN_T and len(projs) == 1 \
             and g.capability == (9, 0):
-        f = g.module('linear_sm90a').function('gemm_bf16_f32_ws')
-        g.launch(f, grid=(min(_w_tiles(t, projs, False), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args, shared=WB_SMEM,
-                 nbytes=wbytes, flops=flops, pdl=True)
+        nt = next((n for n in WB_TOK if t <= n), 128)
+        f = g.module('linear_sm90a').function('gemm_bf16_f32_ws' + ('' if nt == 128 else str(nt)))
+        g.launch(f, grid=(min(_w_tiles(t, projs, False, nt), g.sm_count), 1, 1), block=(WS_THREADS, 1, 1), args=args,
+                 shared=WB_SMEM[nt], nbytes=wbytes, flops=flops, pdl=True)
         return
     g128 = G128_F32_MIN_T if kernel == 'gemm_bf16_f32' else G128_MIN_T
     if g128 is not None and t >= max(g128, PREFILL_MIN_T or 0) and not gelu and 'fp8blk' not in kernel:
