@@ -403,15 +403,20 @@ __device__ __forceinline__ float2 row_scales(const float *S, int sa, int N, int 
 }
 
 // The gelu epilogue's half of warpgroup WG (0: gate sums, 1: up sums, of the same outputs; see ws_compute): hand
-// gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then store
+// gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then compute
 // gelu_mul(gate, up) for the others with its values from `take`. Named barriers 1 / 4: gate / up written; 2 / 3:
-// gate / up read (arrived only when the CTA has another tile: `more`). SLOTS: act goes out in the slot order of
-// x16_bf16 (N % 64 == 0, so Kp = N; slots.cuh), ready to be the next `_ss` launch's X.
+// gate / up read (arrived only when the CTA has another tile: `more`). The warpgroup's 64 tokens x 64 outputs then go
+// out through `take` (8 KB, read by then; barrier 6 + WG, its 128 threads): token-major lines of 128 bytes, output
+// column c (SLOTS: slot_pos(c), x16_bf16's slot order, N % 64 == 0, so Kp = N; slots.cuh) at element c of the line,
+// its 16-byte piece p at (p ^ (token & 7)) << 4 so that neither side conflicts; then 8 lanes store a token's line
+// with 16-byte stores (rows past N / tokens past T are not stored), in place of 32 two-byte stores a thread 4 rows
+// apart in the slot order. Row0: the tile's first output row (a multiple of 64).
 template <int WG, bool SLOTS>
 __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj &p0, float2 sc, __nv_bfloat16 *give,
-                                             const __nv_bfloat16 *take, int row, int t0, int T, int q, int tg,
+                                             __nv_bfloat16 *take, int row0, int rl, int t0, int T, int q, int tg,
                                              bool more) {
     constexpr int GIVE = WG == 0 ? 32 : 0, KEEP = 32 - GIVE;
+    const int row = row0 + rl;
     if (WG == 0) bar_sync<2, 256>();                          // the other warpgroup has read `give`
     else bar_sync<3, 256>();
 #pragma unroll
@@ -426,14 +431,37 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
         bar_arrive<4, 256>();
         bar_sync<1, 256>();
     }
+    __nv_bfloat16 o[32];
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        const float mine = scaled_bf16(tot[KEEP + e], (e & 2) ? sc.y : sc.x);
+        const float other = __bfloat162float(take[e * 128 + tg]);
+        o[e] = WG == 0 ? gelu_mul(mine, other) : gelu_mul(other, mine);
+    }
+    bar_sync<6 + WG, 128>();                                  // `take` read by the whole warpgroup
+    uint8_t *line = reinterpret_cast<uint8_t *>(take);
 #pragma unroll
     for (int e = 0; e < 32; ++e) {                            // element KEEP + e: token 8 ((KEEP + e) / 4) + 2q + (e & 1)
-        const int r = row + ((e & 2) ? 8 : 0), tok = t0 + 8 * ((KEEP + e) >> 2) + 2 * q + (e & 1);
-        if (r < p0.N && tok < T) {
-            const float mine = scaled_bf16(tot[KEEP + e], (e & 2) ? sc.y : sc.x);
-            const float other = __bfloat162float(take[e * 128 + tg]);
-            reinterpret_cast<__nv_bfloat16 *>(p0.Y)[(size_t)tok * p0.N + (SLOTS ? slot_pos(r) : r)] =
-                WG == 0 ? gelu_mul(mine, other) : gelu_mul(other, mine);
+        const int tl = 8 * (e >> 2) + 2 * q + (e & 1), c = rl + ((e & 2) ? 8 : 0);
+        const int pos = SLOTS ? slot_pos(c) : c;
+        *reinterpret_cast<__nv_bfloat16 *>(line + tl * 128 + (((pos >> 3) ^ (tl & 7)) << 4) + 2 * (pos & 7)) = o[e];
+    }
+    bar_sync<6 + WG, 128>();
+    const int pc = tg & 7, c0 = row0 + 8 * pc;
+    const bool vec = (p0.N & 7) == 0 && (reinterpret_cast<uintptr_t>(p0.Y) & 15) == 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int tl = 16 * i + (tg >> 3), tok = t0 + KEEP * 2 + tl;
+        const uint4 v = lds128(smem_u32(line) + tl * 128 + ((pc ^ (tl & 7)) << 4));
+        if (tok >= T || c0 >= p0.N) continue;
+        __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + c0;
+        if (vec && c0 + 8 <= p0.N) {
+            *reinterpret_cast<uint4 *>(y) = v;
+        } else {                                              // an edge piece, or rows not 16-byte aligned
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (c0 + e < p0.N) reinterpret_cast<uint16_t *>(y)[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
         }
     }
     if (more) {
@@ -552,8 +580,8 @@ __device__ __forceinline__ void ws_compute(uint8_t *smem, uint32_t sbase, uint32
         // D fragment of m64nNT: element 4n + i = row (16 warp-in-group + g, + 8 for i >= 2), token 8n + 2q + (i & 1)
         if constexpr (GELU) {
             if (wg == 0)
-                ws_gelu_half<0, SLOTS>(tot, p0, sc, gate, up, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
-            else ws_gelu_half<1, SLOTS>(tot, p0, sc, up, gate, row0 + rr, t0, T, q, tg, tile + gridDim.x < tiles);
+                ws_gelu_half<0, SLOTS>(tot, p0, sc, gate, up, row0, rr, t0, T, q, tg, tile + gridDim.x < tiles);
+            else ws_gelu_half<1, SLOTS>(tot, p0, sc, up, gate, row0, rr, t0, T, q, tg, tile + gridDim.x < tiles);
         } else if constexpr (is_wb<F>()) {
             wb_store_tile<NT>(tot, p0, row0 + rr, t0, T);
         } else {
