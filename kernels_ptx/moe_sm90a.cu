@@ -113,7 +113,7 @@ template <int NTOK> __device__ __forceinline__ float *wg_gsc(int *rowoff) {
     return reinterpret_cast<float *>(rowoff + 3 * NTOK);
 }
 __device__ __forceinline__ uint8_t *wg_stages(uint8_t *smem) {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t a = smem_u32(smem);
     return smem + (((a + 1023) & ~1023u) - a);
 }
 
@@ -209,7 +209,7 @@ __device__ __forceinline__ void wg_mainloop(uint8_t *smem, const bf16 *Xe, const
                                             Rows rows, Epi epi) {
     const uint8_t *X = reinterpret_cast<const uint8_t *>(Xe);
     const int nsu = (K + 127) >> 7, nv = nb * nsu;
-    const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    const uint32_t sbase = smem_u32(smem);
     const uint32_t dlo = static_cast<uint32_t>(b_desc<NTOK>(sbase, 0));   // stage 0, step 0
     const WgLoad<NTOK> L = wg_load_setup<NTOK, N>(rowoff, K);
     // the next unit to load: unit ls of block lb (rows R)
@@ -409,7 +409,7 @@ __device__ __forceinline__ void down_wg_body(const bf16 *__restrict__ up, const 
                 }
             return;
         }
-        const uint32_t os = static_cast<uint32_t>(__cvta_generic_to_shared(sp));
+        const uint32_t os = smem_u32(sp);
         const int j = lane & 7, mi = lane >> 3, piece = 2 * warp + (mi & 1), base = (c0 + b) * 128;
         auto pk = [&](float x, float wx, float y, float wy) {   // bf16x2 (x's output low, y's high)
             const __nv_bfloat162 v = __floats2bfloat162_rn(__fmul_rn(apply_global(x, gd), wx),
