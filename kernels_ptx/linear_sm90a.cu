@@ -402,6 +402,25 @@ __device__ __forceinline__ float2 row_scales(const float *S, int sa, int N, int 
     return make_float2(row < N ? __ldg(S + (size_t)row * sa) : 0.f, row + 8 < N ? __ldg(S + (size_t)(row + 8) * sa) : 0.f);
 }
 
+// The epilogues' last step: one staged 16-byte piece v (the bf16 outputs of columns c0 .. c0 + 7 of token tok) to
+// Y (T, N): whole where the row holds all 8 and Y's rows are 16-byte aligned (vec: y_vec), else element by element;
+// columns past N and tokens past T are not stored.
+__device__ __forceinline__ bool y_vec(const Proj &p0) {
+    return (p0.N & 7) == 0 && (reinterpret_cast<uintptr_t>(p0.Y) & 15) == 0;
+}
+__device__ __forceinline__ void store_piece(const Proj &p0, int tok, int T, int c0, bool vec, const uint4 &v) {
+    if (tok >= T || c0 >= p0.N) return;
+    __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + c0;
+    if (vec && c0 + 8 <= p0.N) {
+        *reinterpret_cast<uint4 *>(y) = v;
+    } else {                                                  // an edge piece, or rows not 16-byte aligned
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (c0 + e < p0.N) reinterpret_cast<uint16_t *>(y)[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
+    }
+}
+
 // The gelu epilogue's half of warpgroup WG (0: gate sums, 1: up sums, of the same outputs; see ws_compute): hand
 // gelu_in of the elements the other warpgroup stores (e = 32 .. 63 / 0 .. 31) to it through `give`, then compute
 // gelu_mul(gate, up) for the others with its values from `take`. Named barriers 1 / 4: gate / up written; 2 / 3:
@@ -448,21 +467,12 @@ __device__ __forceinline__ void ws_gelu_half(const float (&tot)[64], const Proj 
     }
     bar_sync<6 + WG, 128>();
     const int pc = tg & 7, c0 = row0 + 8 * pc;
-    const bool vec = (p0.N & 7) == 0 && (reinterpret_cast<uintptr_t>(p0.Y) & 15) == 0;
+    const bool vec = y_vec(p0);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int tl = 16 * i + (tg >> 3), tok = t0 + KEEP * 2 + tl;
         const uint4 v = lds128(smem_u32(line) + tl * 128 + ((pc ^ (tl & 7)) << 4));
-        if (tok >= T || c0 >= p0.N) continue;
-        __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + c0;
-        if (vec && c0 + 8 <= p0.N) {
-            *reinterpret_cast<uint4 *>(y) = v;
-        } else {                                              // an edge piece, or rows not 16-byte aligned
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (c0 + e < p0.N) reinterpret_cast<uint16_t *>(y)[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
-        }
+        store_piece(p0, tok, T, c0, vec, v);
     }
     if (more) {
         if (WG == 0) bar_arrive<3, 256>();
@@ -498,21 +508,12 @@ __device__ __forceinline__ void ws_store_tile(const float (&tot)[64], float2 sc,
     }
     bar_sync<5, 256>();
     const int pc = lane & 15, row = row0 + 8 * pc;
-    const bool vec = (p0.N & 7) == 0 && (reinterpret_cast<uintptr_t>(p0.Y) & 15) == 0;
+    const bool vec = y_vec(p0);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const int tl = 16 * warp + 2 * k + (lane >> 4), tok = t0 + tl;
         const uint4 v = lds128(out + tl * 256 + ((pc ^ (tl & 7)) << 4));
-        if (tok >= T || row >= p0.N) continue;
-        __nv_bfloat16 *y = reinterpret_cast<__nv_bfloat16 *>(p0.Y) + (size_t)tok * p0.N + row;
-        if (vec && row + 8 <= p0.N) {
-            *reinterpret_cast<uint4 *>(y) = v;
-        } else {                                              // an edge piece, or rows not 16-byte aligned
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (row + e < p0.N) reinterpret_cast<uint16_t *>(y)[e] = (uint16_t)(w[e >> 1] >> (16 * (e & 1)));
-        }
+        store_piece(p0, tok, T, row, vec, v);
     }
 }
 
