@@ -302,7 +302,7 @@ template <int D, bool SLOTS> __device__ __forceinline__ void wg_tile(ATTN_ARGS) 
 #pragma unroll
             for (int ks = 0; ks < D / 16; ks++)
                 wgmma_ss<32>(t, desc_step(da, (ks >> 2) * WATOM + (ks & 3) * 32),
-                           desc_step(db, (ks >> 2) * WATOM + (ks & 3) * 32));
+                             desc_step(db, (ks >> 2) * WATOM + (ks & 3) * 32));
             wg_commit();
             fence_acc(t);
         };
