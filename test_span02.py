@@ -3650,9 +3650,9 @@ def test_gpu_linear_head(lin_g):
     td = g.upload(table)
     assert lin_mod.WB_MIN_T <= 33 and lin_mod.G128_F32_MIN_T <= 100
 
-    def rows_alone(xd_rows, td, y, t, n, rows):
+    def rows_alone(x_rows, td, y, t, n, rows):
         for r in rows:
-            xd, one = g.upload(xd_rows[r:r + 1]), g.empty((1, n), np.float32)
+            xd, one = g.upload(x_rows[r:r + 1]), g.empty((1, n), np.float32)
             head_gpu(g, xd, td, one)
             assert g.download(one).tobytes() == y[r:r + 1].tobytes(), (t, n, r)
             g.free(xd), g.free(one)

@@ -26,12 +26,12 @@ G128_MIN_T = 512
 # `_p` / `_g128`): T = 64 860 / 924 / 1,090, T = 96 1,771 / 1,384 / 1,090, T = 128 1,939 / 1,827 / 1,092 (`_p` and the
 # decode family re-read each row of the table for every 32 / 64 tokens; `_g128` reads it once and runs at ~1.35 TB/s).
 G128_F32_MIN_T = 65
-# From WB_MIN_T tokens the head takes `_wb` instead (kernels_ptx/linear_sm90a.cu gemm_bf16_f32_ws, sm_90 GPUs only):
-# `_ws`'s persistent wgmma tile (128 rows x 128 tokens) with the bf16 table copied as it is, both operands from shared
-# memory, f32 out; the same bits as the decode family. H200, 2026-12-02, graph-replayed, the same bytes, us (the pick
-# above / `_wb`): T = 32 481 / 530, 33 775 / 530, 64 860 / 549, 96 1,082 / 575, 128 1,084 / 591 (`_wb` reads the table
-# once, at 2.5-2.8 TB/s); decode graphs at batch 64 / 96 / 128 13.23 / 16.72 / 19.27 -> 12.90 / 16.19 / 18.72 ms. None:
-# off.
+# From WB_MIN_T tokens the head takes `_wb` instead (kernels_ptx/linear_sm90a.cu gemm_bf16_f32_ws / _ws64, sm_90 GPUs
+# only): `_ws`'s persistent wgmma tile (128 rows x 64 or 128 tokens: WB_TOK below) with the bf16 table copied as it
+# is, both operands from shared memory, f32 out; the same bits as the decode family. H200, 2026-12-02, graph-replayed,
+# the same bytes, us (the pick above / `_wb`'s 128-token tile): T = 32 481 / 530, 33 775 / 530, 64 860 / 549, 96 1,082
+# / 575, 128 1,084 / 591 (`_wb` reads the table once, at 2.5-2.8 TB/s); decode graphs at batch 64 / 96 / 128 13.23 /
+# 16.72 / 19.27 -> 12.90 / 16.19 / 18.72 ms. None: off.
 WB_MIN_T = 33
 G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # The wgmma tile `_ws` (kernels_ptx/linear_sm90a.cu, sm_90 GPUs only: 128 rows x 128 tokens a tile, persistent,
