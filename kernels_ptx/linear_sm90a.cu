@@ -161,6 +161,24 @@ template <int S> __device__ __forceinline__ void ring_drain(uint32_t bars, uint3
     fence_proxy_async();
     for (uint32_t i = m > WS_LAG ? m - WS_LAG : 0; i < m; ++i) mbar_arrive(ws_full<S>(bars, i));
 }
+// The loaders' walk (ws_load, ss_load, wb_load): every unit of every tile of this CTA, in the compute warpgroups'
+// order. tile(t) points the thread's sources at tile t; unit(k0, st) copies the unit of K columns k0 .. k0 + 63 into
+// the stage at offset st; each unit's pieces are one cp.async group, handed over by ring_handoff.
+template <int F, class Tile, class Unit>
+__device__ __forceinline__ void ring_load(uint32_t bars, int tiles, int units, Tile &&tile, Unit &&unit) {
+    constexpr int S = ring_stages<F>();
+    uint32_t m = 0;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        tile(t);
+        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
+            mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
+            unit(u << 6, a_off<F>(m % S));
+            cp_async_commit();
+            ring_handoff<S>(bars, m);
+        }
+    }
+    ring_drain<S>(bars, m);
+}
 // The calling thread's warpgroup, warp-uniform as far as ptxas can tell (a shuffle from lane 0): wgmma under a branch
 // on threadIdx.x itself is serialized (ptxas C7518, "WG.DP in divergent path").
 __device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0); }
@@ -227,40 +245,32 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
     const uint32_t wdst = sbase + wrow * 64 + wcol, xdst = sbase + W_WBYTES + j * W_XSTEP + tb * 16 + h * 8;
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3);
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
-    uint32_t m = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const uint8_t *w[4];
+    const __nv_bfloat16 *x[8];
+    ring_load<F_WS>(bars, tiles, units, [&](int tile) {
         int row0, t0;
         const Proj p0 = tile_proj<false, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
-        const uint8_t *w[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
             const int row = min(row0 + wrow + 32 * i - (GELU && i >= 2 ? 64 : 0), p0.N - 1);
             w[i] = reinterpret_cast<const uint8_t *>(GELU && i >= 2 ? q1.W : p0.W) + (size_t)row * K + wcol;
         }
-        const __nv_bfloat16 *x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
-        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
-            mbar_wait(ws_empty<WS_STAGES>(bars, m), ws_parity<WS_STAGES>(m) ^ 1);
-            const int k0 = u << 6;
-            const uint32_t st = a_off<F_WS>(m % WS_STAGES);
-            if (k0 + 64 <= K) {
+    }, [&](int k0, uint32_t st) {
+        if (k0 + 64 <= K) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) cp_async16_full(wdst + st + 2048 * i, w[i] + k0);
-                xl_whole(xdst + st, x, k0);
-            } else {
+            for (int i = 0; i < 4; ++i) cp_async16_full(wdst + st + 2048 * i, w[i] + k0);
+            xl_whole(xdst + st, x, k0);
+        } else {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const bool ok = k0 + wcol < K;
-                    cp_async16(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
-                }
-                xl_edge(xdst + st, x, k0, K, xcol, X);
+            for (int i = 0; i < 4; ++i) {
+                const bool ok = k0 + wcol < K;
+                cp_async16(wdst + st + 2048 * i, ok ? (const void *)(w[i] + k0) : X, ok);
             }
-            cp_async_commit();
-            ring_handoff<WS_STAGES>(bars, m);
+            xl_edge(xdst + st, x, k0, K, xcol, X);
         }
-    }
-    ring_drain<WS_STAGES>(bars, m);
+    });
 }
 
 // `_ss`'s loader: A from the bf16 copy of W (w16_fp8), X from the slot-ordered copy of X (x16_bf16), rows of Kp = 64
@@ -271,16 +281,14 @@ __device__ __forceinline__ void ws_load(uint32_t sbase, uint32_t bars, const __n
 template <bool GELU>
 __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
                                         const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
-    constexpr int S = SS_STAGES;
     const int pt = threadIdx.x - 256, prow = pt >> 3, pc = pt & 7;
     const uint32_t dst = sbase + (prow >> 3) * 1024 + (prow & 7) * 128 + ((pc ^ (prow & 7)) << 4);
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<GELU>(q0, q1, q2, q3), kp = 64 * units;
     const int tiles = row_tiles * ((T + W_TOK - 1) / W_TOK);
-    uint32_t m = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const __nv_bfloat16 *w[8], *x[8];
+    ring_load<F_SS>(bars, tiles, units, [&](int tile) {
         int row0, t0;
         const Proj p0 = tile_proj<true, GELU>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
-        const __nv_bfloat16 *w[8], *x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {                         // stage rows 64.. : the up rows (gelu) / rows + 64
             const bool up = GELU && i >= 4;
@@ -288,61 +296,47 @@ __device__ __forceinline__ void ss_load(uint32_t sbase, uint32_t bars, const __n
             w[i] = reinterpret_cast<const __nv_bfloat16 *>(up ? q1.W : p0.W) + (size_t)row * kp + 8 * pc;
             x[i] = X + (size_t)min(t0 + prow + 16 * i, T - 1) * kp + 8 * pc;
         }
-        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
-            mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
-            const uint32_t st = a_off<F_SS>(m % S);
+    }, [&](int k0, uint32_t st) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                cp_async16_full(dst + st + 2048 * i, w[i] + 64 * u);
-                cp_async16_full(dst + st + S_ABYTES + 2048 * i, x[i] + 64 * u);
-            }
-            cp_async_commit();
-            ring_handoff<S>(bars, m);
+        for (int i = 0; i < 8; ++i) {
+            cp_async16_full(dst + st + 2048 * i, w[i] + k0);
+            cp_async16_full(dst + st + S_ABYTES + 2048 * i, x[i] + k0);
         }
-    }
-    ring_drain<S>(bars, m);
+    });
 }
 
 // `_wb`'s loader (the tied head: bf16 W; form F, tiles of NT = tile_tok<F>() tokens): `_ws`'s X pieces for both
 // operands, the stage's 128 W rows in X's layout (row tb + 16 i where X has token tb + 16 i), then the tile's NT tokens
-// of X in the same layout (tokens tb + 16 i, i < NT / 16). The tiles are walked as ws_load walks them. Rows past N /
+// of X in the same layout (tokens tb + 16 i, i < NT / 16), tile by tile as ws_load's (ring_load). Rows past N /
 // tokens past T: row N - 1 / token T - 1 (as `_ws`).
 template <int F>
 __device__ __forceinline__ void wb_load(uint32_t sbase, uint32_t bars, const __nv_bfloat16 *X, int T, int K,
                                         const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
-    constexpr int S = ring_stages<F>(), NT = tile_tok<F>();
+    constexpr int NT = tile_tok<F>();
     const int pt = threadIdx.x - 256, lane = pt & 31;
     const int j = lane & 3, h = (lane >> 2) & 1, tb = 4 * (pt >> 5) + (lane >> 3), xcol = 16 * h + 4 * j;
     const uint32_t wdst = sbase + j * W_XSTEP + tb * 16 + h * 8;
     const uint32_t xdst = sbase + W_XBYTES + j * W_XSTEP_N(NT) + tb * 16 + h * 8;
     const int units = (K + 63) >> 6, row_tiles = ws_row_tiles<false>(q0, q1, q2, q3);
     const int tiles = row_tiles * ((T + NT - 1) / NT);
-    uint32_t m = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const __nv_bfloat16 *w[8], *x[8];
+    ring_load<F>(bars, tiles, units, [&](int tile) {
         int row0, t0;
         const Proj p0 = tile_proj<false, false, NT>(tile, row_tiles, T, q0, q1, q2, q3, row0, t0);
-        const __nv_bfloat16 *w[8], *x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             w[i] = reinterpret_cast<const __nv_bfloat16 *>(p0.W) + (size_t)min(row0 + tb + 16 * i, p0.N - 1) * K + xcol;
             x[i] = X + (size_t)min(t0 + tb + 16 * i, T - 1) * K + xcol;
         }
-        for (int n = 0, u = 0; n < units; ++n, u = w_next_unit(u, units), ++m) {
-            mbar_wait(ws_empty<S>(bars, m), ws_parity<S>(m) ^ 1);
-            const int k0 = u << 6;
-            const uint32_t st = a_off<F>(m % S);
-            if (k0 + 64 <= K) {
-                xl_whole(wdst + st, w, k0);
-                xl_whole<NT>(xdst + st, x, k0);
-            } else {
-                xl_edge(wdst + st, w, k0, K, xcol, X);
-                xl_edge<NT>(xdst + st, x, k0, K, xcol, X);
-            }
-            cp_async_commit();
-            ring_handoff<S>(bars, m);
+    }, [&](int k0, uint32_t st) {
+        if (k0 + 64 <= K) {
+            xl_whole(wdst + st, w, k0);
+            xl_whole<NT>(xdst + st, x, k0);
+        } else {
+            xl_edge(wdst + st, w, k0, K, xcol, X);
+            xl_edge<NT>(xdst + st, x, k0, K, xcol, X);
         }
-    }
-    ring_drain<S>(bars, m);
+    });
 }
 
 // One unit of a compute warpgroup: A fragments into a[BUF] (SS: A read from the stage by the wgmmas: rows
