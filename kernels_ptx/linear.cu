@@ -153,6 +153,90 @@ struct XStage {
         __syncthreads();
     }
 };
+
+// The per-thread set-up of a decode CTA (dec_body, dec2_body): slice warp `warp`, lane (g, q: the header's fragment
+// layout), the jobs' projections p0, p1 (gelu: job 0 = gate q0, job 1 = up q1; else both = pick's projection of
+// row tile b, tiles of rt rows) and row0, the first N row of the CTA's tile(s).
+template <bool GELU>
+struct DecCta {
+    int warp, lane, g, q, N, row0;
+    Proj p0, p1;
+    __device__ __forceinline__ DecCta(int b, int rt, const Proj &q0, const Proj &q1, const Proj &q2, const Proj &q3) {
+        warp = threadIdx.x >> 5;
+        lane = threadIdx.x & 31;
+        g = lane >> 2;
+        q = lane & 3;
+        p0 = GELU ? q0 : pick(b, rt, q0, q1, q2, q3);
+        p1 = GELU ? q1 : p0;
+        N = p0.N;
+        row0 = b * rt;
+    }
+};
+
+// One item of a slice warp: job m, unit u, kk = the lane's first K column in that unit.
+struct DecItem {
+    int m, u, kk;
+};
+
+// The items of slice warp `warp` (M jobs): cnt units per job (0 for the warps past SLICES of a WARPS > SLICES CTA),
+// total = M * cnt; item(i): job 0's units warp, warp + 8, .. ascending, then job 1's.
+template <int M, int WARPS = SLICES>
+struct DecSlice {
+    int warp, q, cnt, total;
+    __device__ __forceinline__ DecSlice(int warp_, int q_, int K) : warp(warp_), q(q_) {
+        const int units = (K + 63) >> 6;                      // 64-wide K units
+        cnt = warp < units && (WARPS == SLICES || warp < SLICES) ? (units - warp + SLICES - 1) / SLICES : 0;
+        total = M * cnt;
+    }
+    // item i -> (job m, unit u): m = i >= cnt, u = warp + 8 * (i - m * cnt). The bodies' main loops spell it out:
+    // called there, it makes nvcc emit the compare the other way round, which changes their SASS.
+    __device__ __forceinline__ DecItem item(int i) const {
+        const int m = (M == 2 && i >= cnt) ? 1 : 0;
+        const int u = warp + SLICES * (i - m * cnt);
+        return {m, u, (u << 6) + 16 * q};
+    }
+};
+
+// The lane's W pieces of one unit: w[0] row rg, w[1] row rh, WV 16-byte loads from column kk each (bf16: 8 columns
+// apart; fp8: WV = 1), zero when !kin (item past the end or unit past K) or the row is past N.
+template <int FMT, int WV>
+__device__ __forceinline__ void ldg_wrows(uint4 (&w)[2][WV], const void *Wm, int rg, int rh, int kk, bool kin,
+                                          int K, int N) {
+    const uint4 z = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int v = 0; v < WV; ++v) {
+        if (FMT == FMT_BF16) {
+            const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
+            w[0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
+            w[1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
+        } else {
+            const uint8_t *w8 = reinterpret_cast<const uint8_t *>(Wm);
+            w[0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
+            w[1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
+        }
+    }
+}
+
+// FP8BLK: job m's 128x128 block scale of rows row0.. and unit u (block column u / 2); 0 for an item past the end.
+__device__ __forceinline__ float blk_scale(const Proj &p0, const Proj &p1, int m, int row0, int u, bool valid) {
+    const float *Sm = m ? p1.S : p0.S;
+    const int sam = m ? p1.sa : p0.sa;
+    return valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
+}
+
+// acc = 0: the slice partials' start.
+template <int M, int MT, int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[M][MT][NT][4]) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[m][mt][n][i] = 0.f;
+}
+
 // XF (XS only): what fills the shared rows instead (router_pa_bf16_t8 makes them itself), called by every thread
 // after the weight ring's prologue, ending with a barrier. WARPS > SLICES (XS only): the CTA has more warps than K
 // slices (the norms before the router take a thread an 8-vector of the row); warps SLICES.. compute no slice.
@@ -166,60 +250,30 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     constexpr int XN = XS ? 1 : NT;                           // X tiles per ring slot (unused when XS)
     extern __shared__ __align__(16) uint8_t xs_smem[];        // XS: (min(T,8), K + 8) bf16
     pdl_trigger();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, q = lane & 3;
-    int b = blockIdx.x;
-    const Proj p0 = GELU ? q0 : pick(b, ROWS, q0, q1, q2, q3);   // gelu: job 0 = gate (q0), job 1 = up (q1)
-    const Proj p1 = GELU ? q1 : p0;
-    const int N = p0.N;
-    const int row0 = b * ROWS;                                // first N row of this CTA's tile(s)
+    const DecCta<GELU> c(blockIdx.x, ROWS, q0, q1, q2, q3);
     const int t0 = blockIdx.y * (8 * NT);                     // first token of this CTA
-    const int rg = row0 + g, rh = row0 + g + 8;               // the lane's two W rows
-    const int units = (K + 63) >> 6;                          // 64-wide K units
-    const int cnt = warp < units && (WARPS == SLICES || warp < SLICES) ? (units - warp + SLICES - 1) / SLICES : 0;
-    const int total = M * cnt;                                // items of this warp (slice `warp`'s units)
+    const int rg = c.row0 + c.g, rh = c.row0 + c.g + 8;       // the lane's two W rows
+    const DecSlice<M, WARPS> sl(c.warp, c.q, K);              // items of this warp (slice `warp`'s units)
 
     float acc[M][1][NT][4];                                   // fold_store's shape (one m-tile)
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[m][0][n][i] = 0.f;
+    zero_acc(acc);
 
     uint4 wsl[R][2][WV];                                      // ring: W rows g, g+8 of the item
     uint4 xsl[R][XN][2];                                      // ring: X token g of each 8-token tile (!XS)
     float bsl[R];                                             // ring: 128x128 block scale of the item (FP8BLK)
-    // item i -> (job m, unit u): m = i >= cnt, u = warp + 8 * (i - m * cnt)
     auto load = [&](int i, uint4 (&w)[2][WV], uint4 (&x)[XN][2], float &bs) {
-        const bool valid = i < total;
-        const int m = (M == 2 && i >= cnt) ? 1 : 0;
-        const int u = warp + SLICES * (i - m * cnt);
-        const int kk = (u << 6) + 16 * q;                     // the lane's first K column in that unit
+        const bool valid = i < sl.total;
+        const DecItem it = sl.item(i);
+        const int kk = it.kk;                                 // the lane's first K column in that unit
         const bool kin = valid && kk < K;
-        const void *Wm = m ? p1.W : p0.W;
-        const uint4 z = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int v = 0; v < WV; ++v) {
-            if (FMT == FMT_BF16) {
-                const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
-                w[0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
-                w[1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
-            } else {
-                const uint8_t *w8 = reinterpret_cast<const uint8_t *>(Wm);
-                w[0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
-                w[1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
-            }
-        }
-        if (FMT == FMT_FP8BLK) {                              // block (row0/128, k/128): CTA-uniform per item
-            const float *Sm = m ? p1.S : p0.S;
-            const int sam = m ? p1.sa : p0.sa;
-            bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
-        }
+        ldg_wrows<FMT, WV>(w, it.m ? c.p1.W : c.p0.W, rg, rh, kk, kin, K, c.N);
+        if (FMT == FMT_FP8BLK)                                // block (row0/128, k/128): CTA-uniform per item
+            bs = blk_scale(c.p0, c.p1, it.m, c.row0, it.u, valid);
         if (!XS) {
+            const uint4 z = make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int n = 0; n < XN; ++n) {
-                const int t = t0 + 8 * n + g;                 // the lane's token (B column g) of tile n
+                const int t = t0 + 8 * n + c.g;               // the lane's token (B column g) of tile n
                 if (XCG) {
                     x[n][0] = (kin && t < T) ? ldcg16(X + (size_t)t * K + kk) : z;
                     x[n][1] = (kin && t < T) ? ldcg16(X + (size_t)t * K + kk + 8) : z;
@@ -239,14 +293,14 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
     const int ntok = min(8, T - t0);                          // XS: real tokens of this CTA (>= 1)
     if (XS) xfill(xs_smem, X, K, t0, ntok);
 
-    for (int base = 0; base < total; base += R) {
+    for (int base = 0; base < sl.total; base += R) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int i = base + r;
-            if (i >= total) break;                            // warp-uniform
-            const int m = (M == 2 && i >= cnt) ? 1 : 0;
-            const int u = warp + SLICES * (i - m * cnt);
-            const int kk = (u << 6) + 16 * q;
+            if (i >= sl.total) break;                         // warp-uniform
+            const int m = (M == 2 && i >= sl.cnt) ? 1 : 0;    // sl.item(i), spelled out (DecSlice)
+            const int u = c.warp + SLICES * (i - m * sl.cnt);
+            const int kk = (u << 6) + 16 * c.q;
             uint32_t a[4][4];                                 // [step j][fragment reg]
             unit_frags<FMT, WV>(wsl[r], a);
             const float bs = FMT == FMT_FP8BLK ? bsl[r] : 0.f;
@@ -255,8 +309,8 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
                 uint4 x0, x1;
                 if (XS) {
                     x0 = x1 = make_uint4(0, 0, 0, 0);
-                    if (g < ntok && kk < K) {                 // token t0 + g exists; unit column inside K
-                        const uint8_t *xp = xs_smem + ((size_t)g * xstr + kk) * 2;
+                    if (c.g < ntok && kk < K) {               // token t0 + g exists; unit column inside K
+                        const uint8_t *xp = xs_smem + ((size_t)c.g * xstr + kk) * 2;
                         x0 = *reinterpret_cast<const uint4 *>(xp);
                         x1 = *reinterpret_cast<const uint4 *>(xp + 16);
                     }
@@ -272,7 +326,7 @@ __device__ __forceinline__ void dec_body(const __nv_bfloat16 *__restrict__ X, in
         }
     }
 
-    fold_store<FMT, 1, NT, M, F32OUT, GELU>(acc, WARPS == SLICES || warp < SLICES, row0, t0, N, T, p0, p1);
+    fold_store<FMT, 1, NT, M, F32OUT, GELU>(acc, WARPS == SLICES || c.warp < SLICES, c.row0, t0, c.N, T, c.p0, c.p1);
 }
 
 // --- decode family, variant layout `dec2` (speed variants, same bits) ------------------------------------------
@@ -299,28 +353,13 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
     constexpr int WV = FMT == FMT_BF16 ? 2 : 1;               // 16-byte loads per W row per unit per lane
     constexpr int RT = ROWS * MT;                             // N rows per CTA
     pdl_trigger();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, q = lane & 3;
-    int b = TF ? blockIdx.y : blockIdx.x;                     // row tile
+    const DecCta<GELU> c(TF ? blockIdx.y : blockIdx.x, RT, q0, q1, q2, q3);   // row tile
     const int ty = TF ? blockIdx.x : blockIdx.y;              // token tile
-    const Proj p0 = GELU ? q0 : pick(b, RT, q0, q1, q2, q3);
-    const Proj p1 = GELU ? q1 : p0;
-    const int N = p0.N;
-    const int row0 = b * RT;
     const int t0 = ty * (8 * NT);
-    const int units = (K + 63) >> 6;
-    const int cnt = warp < units ? (units - warp + SLICES - 1) / SLICES : 0;   // units of slice `warp`
-    const int total = M * cnt;                                // items: job 0's units, then job 1's
+    const DecSlice<M> sl(c.warp, c.q, K);                     // items: job 0's units, then job 1's
 
     float acc[M][MT][NT][4];
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[m][mt][n][i] = 0.f;
+    zero_acc(acc);
 
     constexpr int RR = SR ? 1 : R;                            // register ring slots
     uint4 wsl[RR][MT][2][WV];                                 // ring: rows g, g+8 of each m-tile of the item
@@ -329,42 +368,33 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
     // index ((w * R + r) * SP + p) * 32 + l (lane-contiguous 16-byte pieces: conflict-free).
     constexpr int SP = MT * 2 * WV;
     extern __shared__ __align__(16) uint4 ring_smem[];
-    auto sslot = [&](int r) { return ring_smem + ((size_t)(warp * R + r) * SP) * 32 + lane; };
+    auto sslot = [&](int r) { return ring_smem + ((size_t)(c.warp * R + r) * SP) * 32 + c.lane; };
     auto load = [&](int i, uint4 (&w)[MT][2][WV], float &bs, uint4 *sp) {
-        const bool valid = i < total;
-        const int m = (M == 2 && i >= cnt) ? 1 : 0;
-        const int u = warp + SLICES * (i - m * cnt);
-        const int kk = (u << 6) + 16 * q;
+        const bool valid = i < sl.total;
+        const DecItem it = sl.item(i);
+        const int kk = it.kk;
         const bool kin = valid && kk < K;
-        const void *Wm = m ? p1.W : p0.W;
-        const uint4 z = make_uint4(0, 0, 0, 0);
+        const void *Wm = it.m ? c.p1.W : c.p0.W;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const int rg = row0 + 16 * mt + g, rh = rg + 8;
+            const int rg = c.row0 + 16 * mt + c.g, rh = rg + 8;
+            if (SR) {
 #pragma unroll
-            for (int v = 0; v < WV; ++v) {
-                if (SR) {                                     // zero-filled when out of range (src size 0)
+                for (int v = 0; v < WV; ++v) {                // zero-filled when out of range (src size 0)
                     const size_t eb = FMT == FMT_BF16 ? 2 : 1, off = (size_t)kk * eb + 16 * v;
                     const uint8_t *wb = reinterpret_cast<const uint8_t *>(Wm);
-                    const bool og = kin && rg < N, oh = kin && rh < N;
-                    cp_async16(sp + ((mt * 2 + 0) * WV + v) * 32, og ? (const void *)(wb + (size_t)rg * K * eb + off) : Wm, og);
-                    cp_async16(sp + ((mt * 2 + 1) * WV + v) * 32, oh ? (const void *)(wb + (size_t)rh * K * eb + off) : Wm, oh);
-                } else if (FMT == FMT_BF16) {
-                    const __nv_bfloat16 *w16 = reinterpret_cast<const __nv_bfloat16 *>(Wm);
-                    w[mt][0][v] = (kin && rg < N) ? ldg16(w16 + (size_t)rg * K + kk + 8 * v) : z;
-                    w[mt][1][v] = (kin && rh < N) ? ldg16(w16 + (size_t)rh * K + kk + 8 * v) : z;
-                } else {
-                    const uint8_t *w8 = reinterpret_cast<const uint8_t *>(Wm);
-                    w[mt][0][v] = (kin && rg < N) ? ldg16(w8 + (size_t)rg * K + kk) : z;
-                    w[mt][1][v] = (kin && rh < N) ? ldg16(w8 + (size_t)rh * K + kk) : z;
+                    const bool og = kin && rg < c.N, oh = kin && rh < c.N;
+                    cp_async16(sp + ((mt * 2 + 0) * WV + v) * 32,
+                               og ? (const void *)(wb + (size_t)rg * K * eb + off) : Wm, og);
+                    cp_async16(sp + ((mt * 2 + 1) * WV + v) * 32,
+                               oh ? (const void *)(wb + (size_t)rh * K * eb + off) : Wm, oh);
                 }
+            } else {
+                ldg_wrows<FMT, WV>(w[mt], Wm, rg, rh, kk, kin, K, c.N);
             }
         }
-        if (FMT == FMT_FP8BLK) {                              // block (row0/128, k/128): 16*MT divides 128
-            const float *Sm = m ? p1.S : p0.S;
-            const int sam = m ? p1.sa : p0.sa;
-            bs = valid ? __ldg(Sm + (size_t)(row0 >> 7) * sam + (u >> 1)) : 0.f;
-        }
+        if (FMT == FMT_FP8BLK)                                // block (row0/128, k/128): 16*MT divides 128
+            bs = blk_scale(c.p0, c.p1, it.m, c.row0, it.u, valid);
         if (SR) cp_async_commit();                              // one group per item (maybe empty): uniform count
     };
 
@@ -372,14 +402,14 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
     for (int r = 0; r < R; ++r) load(r, wsl[SR ? 0 : r], bsl[r], sslot(r));   // weights (no kernel writes them)
     pdl_wait();                                               // X (and the stores) follow the previous kernel
 
-    for (int base = 0; base < total; base += R) {
+    for (int base = 0; base < sl.total; base += R) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int i = base + r;
-            if (i >= total) break;                            // warp-uniform
-            const int m = (M == 2 && i >= cnt) ? 1 : 0;
-            const int u = warp + SLICES * (i - m * cnt);
-            const int kk = (u << 6) + 16 * q;
+            if (i >= sl.total) break;                         // warp-uniform
+            const int m = (M == 2 && i >= sl.cnt) ? 1 : 0;    // sl.item(i), spelled out (DecSlice)
+            const int u = c.warp + SLICES * (i - m * sl.cnt);
+            const int kk = (u << 6) + 16 * c.q;
             uint32_t a[MT][4][4];                             // [m-tile][step j][fragment reg], as dec_body
             const int rs = SR ? 0 : r;
             if (SR) {                                         // item i's group landed: i + 1 .. i + R - 1 may pend
@@ -398,7 +428,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
             load(i + R, wsl[rs], bsl[r], sslot(r));           // refill the slot now (no-op past the end)
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const int t = t0 + 8 * n + g;                 // the lane's token (B column g) of tile n
+                const int t = t0 + 8 * n + c.g;               // the lane's token (B column g) of tile n
                 const uint4 z = make_uint4(0, 0, 0, 0);
                 const bool ok = kk < K && t < T;
                 const uint4 x0 = ok ? ldg16(X + (size_t)t * K + kk) : z;       // columns 16q .. 16q+7
@@ -413,7 +443,7 @@ __device__ __forceinline__ void dec2_body(const __nv_bfloat16 *__restrict__ X, i
         }
     }
 
-    fold_store<FMT, MT, NT, M, F32OUT, GELU>(acc, true, row0, t0, N, T, p0, p1);
+    fold_store<FMT, MT, NT, M, F32OUT, GELU>(acc, true, c.row0, t0, c.N, T, c.p0, c.p1);
 }
 
 // --- prefill tile (T > 64): the same per-output arithmetic, W and X staged in shared memory --------------
