@@ -66,7 +66,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 //     each j). D <= 512. (Twelfth session: at 2,048 tokens 1,464 us against the per-head shape's 2,525; sixteenth:
 //     a head through a warp's shared-memory row, one head a warp, 31.7 us sliding, 37.1 full; twenty-fifth, this
 //     form: 28.4 / 37.1 us; twenty-eighth, its shared weights and angles in qk_lane_pos order: 26.3 / 33.4;
-//     BENCHMARKS.md.)
+//     forty-seventh, 5 CTAs an SM (48 registers, no spill; 4 had 64): 26.1 -> 24.0 / 32.6 -> 30.2, but 512 tokens
+//     7.3 -> 7.4 / 9.1 -> 9.4; BENCHMARKS.md.)
 //     Needs 16-byte aligned head rows (row strides and pointers: the launcher checks, else the per-head kernel).
 // ---------------------------------------------------------------------------------------------------------
 #define QK_PARAMS                                                                                             \
@@ -198,7 +199,7 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
 // excess; 2,048 tokens, H200, same bytes: sliding 28.65 -> 26.26 us, full 38.03 -> 33.41).
 __device__ __forceinline__ int qk_lane_pos(int j, int L) { return 2 * (((j & 7) >> 1) * L + (j >> 3)) + (j & 1); }
 
-extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 4) qk_norm_rope_rows_bf16(QK_PARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows_bf16(QK_PARAMS) {
     __shared__ __align__(16) float cs[512];          // cos of the D/2 angles, then their sin (qk_lane_pos order)
     __shared__ __align__(16) float wqk[1024];        // q_w, then k_w (fp32; each half in qk_lane_pos order)
     const int t = blockIdx.x, half = D >> 1, L = D >> 4, nj = D >> 6, hpw = 32 / L;
