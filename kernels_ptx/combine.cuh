@@ -35,23 +35,25 @@ __device__ __forceinline__ void slots_by_expert_warp(const int* __restrict__ idx
 }
 
 // acc[0..7] = the fp32 sums (before the bf16 rounding) of columns n0 .. n0 + 7 of pair rows o + order[r] * H,
-// r < nv (o = the token's first pair row), added in r order. The 16-byte loads go out 8 slots at a time before
-// their adds (a memory-bound step: a top-8 token's slots all in flight at once, in 32 registers); rows 16-byte
-// aligned (H % 8 == 0).
+// r < nv (o = the token's first pair row), added in r order. The 16-byte loads go out SB slots at a time before
+// their adds (a memory-bound step: at SB = 8 a top-8 token's slots all in flight at once, in 32 registers; SB = 4
+// takes 16, for kernels that gain more from the CTAs an SM than from the loads a thread); rows 16-byte aligned
+// (H % 8 == 0).
+template <int SB = 8>
 __device__ __forceinline__ void combine8(const __nv_bfloat16* __restrict__ o, const int* order, int nv, int H,
                                          int n0, float (&acc)[8]) {
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[c] = 0.f;
 #pragma unroll
-    for (int r0 = 0; r0 < MAX_K; r0 += 8) {
+    for (int r0 = 0; r0 < MAX_K; r0 += SB) {
         if (r0 >= nv) break;
-        uint4 v[8];
+        uint4 v[SB];
 #pragma unroll
-        for (int r = 0; r < 8; ++r)
+        for (int r = 0; r < SB; ++r)
             v[r] = r0 + r < nv ? __ldg(reinterpret_cast<const uint4*>(o + (size_t)order[r0 + r] * H + n0))
                                : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) {
+        for (int r = 0; r < SB; ++r) {
             if (r0 + r < nv) {
                 const uint32_t w[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
 #pragma unroll

@@ -214,7 +214,7 @@ __device__ __forceinline__ void post_ffn_norms(bf16* __restrict__ x, bf16* __res
     if (PAIRS) {
         __syncthreads();                             // order, nvalid
         if (own) {
-            combine8(e + row * k, order, nvalid, n, c, fe);
+            combine8<PRE ? 8 : 4>(e + row * k, order, nvalid, n, c, fe);   // (plain: 4, see below)
 #pragma unroll
             for (int j = 0; j < 8; j++) fe[j] = round_bf16(fe[j]);
         }
@@ -262,7 +262,10 @@ extern "C" __global__ void post_ffn_norms_pre_bf16(POST_FFN_ARGS) {
     post_ffn_norms<false, true>(x, xn, m, e, nullptr, 0, 0, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 // o (T*k, n) bf16 pair outputs (row t*k + s: token t's slot s), idx (T, k): e = their combine (see above).
-extern "C" __global__ void post_ffn_norms_pairs_bf16(POST_FFN_PAIRS_ARGS) {
+// The plain form (T > 16) at 40 registers, 4 CTAs of 352 threads an SM (56 and 3 with the combine's loads 8 slots
+// at a time): H200, the launch alone at the real shapes (graph-replayed, bytes equal), 508 tokens 13.68 -> 11.02 us,
+// 2,048 tokens 47.77 -> 47.23 (forty-seventh session; at 40 registers with 8 slots a batch it spilled: 50.99).
+extern "C" __global__ void __maxnreg__(40) post_ffn_norms_pairs_bf16(POST_FFN_PAIRS_ARGS) {
     post_ffn_norms<true, false>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
 extern "C" __global__ void post_ffn_norms_pairs_pre_bf16(POST_FFN_PAIRS_ARGS) {
