@@ -7105,7 +7105,8 @@ def test_mlp_slots_plan():
 def test_linear_kept_w16_copies():
     """layers.linear (no device): a `_ss` launch reads the bf16 copies cache_w16 kept (g.w16_cache, by the FP8 weights'
     address) for the projections that have one; w16_fp8 copies only the others, from the scratch's start (grid z =
-    their count), and does not run when every projection has one; the scratch need only hold the copies made."""
+    their count), and does not run when every projection has one; the scratch need only hold the copies made. Below
+    W16_MIN_T a launch takes `_ss` only when every projection has a kept copy, from W16_KEPT_MIN_T tokens."""
     H = 2816
     bf = lambda *shape: types.SimpleNamespace(shape=shape, dtype=lin_mod.BF16, ptr=1024)
     qkv = [lin_mod.GpuLinear('fp8_channel', n, H, types.SimpleNamespace(nbytes=n * H, ptr=4096 * (i + 1)),
@@ -7138,6 +7139,28 @@ def test_linear_kept_w16_copies():
             conv = g.args[1]
             assert g.launches[1][1][2] == len(made) and [conv[1 + 3 * j] for j in range(len(made))] == [
                 qkv[i].w for i in made], (keep, conv)
+    lo = lin_mod.W16_KEPT_MIN_T
+    assert lo is not None and lin_mod.W_MIN_T <= lo < lin_mod.W16_MIN_T
+    for t, keep, kept_min, want in ((lin_mod.W16_MIN_T - 1, (0, 1, 2), lo, 'ss'), (lo, (0, 1, 2), lo, 'ss'),
+                                    (lo - 1, (0, 1, 2), lo, None), (lin_mod.W16_MIN_T - 1, (1, 2), lo, 'ws'),
+                                    (lin_mod.W16_MIN_T - 1, (0, 1, 2), None, 'ws')):
+        g = _LaunchLog()
+        g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=0),
+                     'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=2048 * H * 2)}
+        g.w16_cache = {qkv[i].w.ptr: kept[i] if i in kept else types.SimpleNamespace(ptr=1 << 38) for i in keep}
+        saved = lin_mod.W16_KEPT_MIN_T
+        lin_mod.W16_KEPT_MIN_T = kept_min
+        try:
+            lin_mod.linear_multi_gpu(g, bf(t, H), qkv, [bf(t, w.N) for w in qkv])
+        finally:
+            lin_mod.W16_KEPT_MIN_T = saved
+        names = [f.split('.')[1] for f, *_ in g.launches]
+        if want == 'ss':
+            assert names == ['x16_bf16', 'gemm_fp8_bf16_ss'], (t, keep, names)
+        elif want == 'ws':
+            assert names == ['gemm_fp8_bf16_ws'], (t, keep, names)
+        else:                                                # below the wgmma tiles: another family, no copies
+            assert not any(n.endswith(('_ss', '_ws')) or n in ('x16_bf16', 'w16_fp8') for n in names), (t, names)
 
 
 @needs_gpu

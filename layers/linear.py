@@ -60,6 +60,12 @@ WB_SMEM = {nt: s * 4 * ((128 * 32 + 32) + (nt * 32 + 32)) + 2 * s * 8 for nt, s 
 # bytes): the 2,048-token prefill step 49.56 -> 46.87 ms, 1,024 tokens 27.48 -> 26.57, but 508 tokens 15.88 -> 16.31
 # (the copies cost the same at any T): hence the threshold.
 W16_MIN_T = 1024
+# A launch whose every weight has a bf16 copy kept on the device (cache_w16: every o_proj, some q+k+v) makes no
+# w16_fp8 copy, so it takes `_ss` from this many tokens instead (None: from W16_MIN_T like the others). H200,
+# 2026-12-02, the eager prefill step of one sequence (alternating, medians of 8, argmax equal): 508 tokens 14.94 ->
+# 14.77 ms (its kernel sum 14.98 -> 14.62 ms: `_ws` 3.87 ms -> `_ss` 1.15 + `_ws` 2.27 + one x16 copy; the attention's
+# `_slots` form +0.08), 1,000 tokens 24.57 -> 23.95; 300 tokens within its spread (15.66 / 15.72, 12.7 .. 21.2).
+W16_KEPT_MIN_T = 65
 SS_SMEM = 6 * 2 * 128 * 128 + 2 * 6 * 8                           # 6 stages of A + B, their mbarriers
 W16_THREADS = 512                     # most threads a CTA of the copies (a row's 8 pieces a unit)
 COPY_ROWS = 4                         # rows a CTA of w16_fp8 (linear_sm90a.cu COPY_ROWS)
@@ -304,7 +310,8 @@ def _wgmma_tile(g, kernel, t, k, projs, gelu=False, x_slots=False):
     if not (W_MIN_T is not None and t >= max(W_MIN_T, PREFILL_MIN_T or 0) and _w_tiles(t, projs, gelu) >= W_MIN_CTAS
             and kernel in ('gemm_fp8_bf16', 'gelu_fp8_bf16') and g.capability == (9, 0)):
         return None
-    ok = W16_MIN_T is not None and t >= W16_MIN_T and _ss_ok(g, t, k, projs, x_slots)
+    kept = W16_KEPT_MIN_T is not None and t >= W16_KEPT_MIN_T and all(_cached(g, p[0]) is not None for p in projs)
+    ok = (kept or W16_MIN_T is not None and t >= W16_MIN_T) and _ss_ok(g, t, k, projs, x_slots)
     return 'ss' if ok else 'ws'
 
 
