@@ -263,8 +263,8 @@ extern "C" __global__ void post_ffn_norms_pre_bf16(POST_FFN_ARGS) {
 }
 // o (T*k, n) bf16 pair outputs (row t*k + s: token t's slot s), idx (T, k): e = their combine (see above).
 // The plain form (T > 16) at 40 registers, 4 CTAs of 352 threads an SM (56 and 3 with the combine's loads 8 slots
-// at a time): H200, the launch alone at the real shapes (graph-replayed, bytes equal), 508 tokens 13.68 -> 11.02 us,
-// 2,048 tokens 47.77 -> 47.23 (forty-seventh session; at 40 registers with 8 slots a batch it spilled: 50.99).
+// at a time): H200, the launch alone at the real shapes (graph-replayed, bytes equal), 508 tokens 13.58 -> 10.91 us,
+// 2,048 tokens 47.69 -> 47.10 (forty-seventh session; at 40 registers with 8 slots a batch it spilled: 50.99).
 extern "C" __global__ void __maxnreg__(40) post_ffn_norms_pairs_bf16(POST_FFN_PAIRS_ARGS) {
     post_ffn_norms<true, false>(x, xn, m, o, idx, k, E, h, w1, w2, w3, w4, n, eps, scale, xn_slots);
 }
