@@ -298,17 +298,23 @@ struct SrcStages {
     __device__ __forceinline__ void drain() { cp_async_wait<0>(); }
 };
 
-// The shared inner loop: acc[mt][n] += W_mt (16 rows) x X (tokens 8n..8n+7) over all K, in the fixed order
-// described above. Identical instruction sequence per output element for every MT / NT / D / source.
-template <int MT, int NT, int D, class Src>
-__device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT, D>& wr, Src& src, int lane) {
-    const int g = lane >> 2, q = lane & 3;
+// d = 0: MT x NT mma D fragments (the run's total, and each super unit's fresh partial).
+template <int MT, int NT>
+__device__ __forceinline__ void zero_frags(float (&d)[MT][NT][4]) {
     #pragma unroll
     for (int m = 0; m < MT; ++m)
         #pragma unroll
         for (int n = 0; n < NT; ++n)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[m][n][i] = 0.f;
+            for (int i = 0; i < 4; ++i) d[m][n][i] = 0.f;
+}
+
+// The shared inner loop: acc[mt][n] += W_mt (16 rows) x X (tokens 8n..8n+7) over all K, in the fixed order
+// described above. Identical instruction sequence per output element for every MT / NT / D / source.
+template <int MT, int NT, int D, class Src>
+__device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT, D>& wr, Src& src, int lane) {
+    const int g = lane >> 2, q = lane & 3;
+    zero_frags(acc);
     for (int su0 = 0; su0 < wr.nsu; su0 += D) {
         #pragma unroll
         for (int r = 0; r < D; ++r) {
@@ -325,12 +331,7 @@ __device__ __forceinline__ void nvfp4_mma_run(float (&acc)[MT][NT][4], WRing<MT,
             // drifts toward zero by ~K/16 half-ulps; per 128-column unit that bias stays ~8 half-ulps of the
             // unit's partial sum, and the units are summed in IEEE fp32 (RN).
             float part[MT][NT][4];
-            #pragma unroll
-            for (int m = 0; m < MT; ++m)
-                #pragma unroll
-                for (int n = 0; n < NT; ++n)
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) part[m][n][i] = 0.f;
+            zero_frags(part);
             #pragma unroll
             for (int m = 0; m < 4; ++m) {                         // word m -> steps 2m, 2m+1
                 uint32_t a[MT][2][4];
