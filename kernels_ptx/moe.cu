@@ -626,6 +626,27 @@ extern "C" __global__ void __launch_bounds__(512, 2) moe_down_combine_direct(
 // the same lane), all NT n-tiles. x rows of the tile (token perm[q]/k) stream through a 3-stage cp.async
 // pipeline. u is written in GROUPED order (row q). Dynamic shared: 256 B (row offsets) + GSTAGES * 8*NT * 256 B.
 #define GSTAGES 3
+
+// Both grouped bodies' pipeline: the warp's two weight rows (wrow / srow, K columns) through a D-deep ring, the tile's
+// 8*NT rows of x (element offsets off(i), -1 past the tile, into the first 256 B of smem) through the GSTAGES stages
+// after them, and nvfp4_mma_run into acc.
+template <int NT, int D, class Off>
+__device__ __forceinline__ void grouped_run(float (&acc)[2][NT][4], const uint8_t* const (&wrow)[2],
+                                            const uint8_t* const (&srow)[2], int K, unsigned char* smem,
+                                            const bf16* __restrict__ x, Off off, int lane) {
+    constexpr int NTOK = 8 * NT;
+    int* rowoff = (int*)smem;
+    WRing<2, D> ring;
+    ring.init(wrow, srow, K, lane);
+    ring.prologue();
+    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = off(i);
+    __syncthreads();
+    SrcStages<NTOK, GSTAGES> src{smem + 256, x, rowoff, K, ring.nsu, nullptr};
+    src.prologue();
+    nvfp4_mma_run<2, NT, D>(acc, ring, src, lane);
+    src.drain();
+}
+
 template <int NT, int D>
 __device__ __forceinline__ void gate_up_grouped_body(
     const bf16* __restrict__ x, const int* __restrict__ perm, const int4* __restrict__ tiles,
@@ -633,9 +654,7 @@ __device__ __forceinline__ void gate_up_grouped_body(
     const uint8_t* __restrict__ uw, const uint8_t* __restrict__ us, const float* __restrict__ gsc,
     bf16* __restrict__ u, int H, int I, int k)
 {
-    constexpr int NTOK = 8 * NT;
-    extern __shared__ __align__(16) unsigned char smem_gug[];
-    int* rowoff = (int*)smem_gug;                                     // dynamic: 256 B of row offsets, then the stages
+    extern __shared__ __align__(16) unsigned char smem_gug[];         // dynamic: 256 B of row offsets, then the stages
     if ((int)blockIdx.y >= n_tiles[0]) return;                    // uniform
     const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
@@ -646,16 +665,9 @@ __device__ __forceinline__ void gate_up_grouped_body(
     const size_t row = (size_t)e * I + n0 + g;
     const uint8_t* const wrow[2] = {gw + row * (H >> 1), uw + row * (H >> 1)};
     const uint8_t* const srow[2] = {gs + scale_row(row, H), us + scale_row(row, H)};
-    WRing<2, D> ring;
-    ring.init(wrow, srow, H, lane);
-    ring.prologue();
-    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (perm[q0 + i] / k) * H : -1;
-    __syncthreads();
-    SrcStages<NTOK, GSTAGES> src{smem_gug + 256, x, rowoff, H, ring.nsu, nullptr};
-    src.prologue();
     float acc[2][NT][4];
-    nvfp4_mma_run<2, NT, D>(acc, ring, src, lane);
-    src.drain();
+    grouped_run<NT, D>(acc, wrow, srow, H, smem_gug, x, [&](int i) { return i < nq ? (perm[q0 + i] / k) * H : -1; },
+                       lane);
     if (!live) return;
     const float* gg = gsc + ((size_t)e * 3 + 0) * 2;
     const float* gu = gsc + ((size_t)e * 3 + 1) * 2;
@@ -679,9 +691,7 @@ __device__ __forceinline__ void down_grouped_body(
     const int* __restrict__ n_tiles, const uint8_t* __restrict__ dw, const uint8_t* __restrict__ ds,
     const float* __restrict__ gsc, const float* __restrict__ weights, bf16* __restrict__ o, int H, int I)
 {
-    constexpr int NTOK = 8 * NT;
-    extern __shared__ __align__(16) unsigned char smem_dg[];
-    int* rowoff = (int*)smem_dg;                                     // dynamic: 256 B of row offsets, then the stages
+    extern __shared__ __align__(16) unsigned char smem_dg[];          // dynamic: 256 B of row offsets, then the stages
     if ((int)blockIdx.y >= n_tiles[0]) return;
     const int4 tl = tiles[blockIdx.y];
     const int e = tl.x, q0 = tl.y, nq = tl.z;
@@ -697,16 +707,8 @@ __device__ __forceinline__ void down_grouped_body(
     const uint8_t* const wrow[2] = {dw + ((size_t)e * H + base[0] + g) * (I >> 1), dw + ((size_t)e * H + base[1] + g) * (I >> 1)};
     const uint8_t* const srow[2] = {ds + scale_row((size_t)e * H + base[0] + g, I),
                                     ds + scale_row((size_t)e * H + base[1] + g, I)};
-    WRing<2, D> ring;
-    ring.init(wrow, srow, I, lane);
-    ring.prologue();
-    for (int i = threadIdx.x; i < NTOK; i += blockDim.x) rowoff[i] = i < nq ? (q0 + i) * I : -1;
-    __syncthreads();
-    SrcStages<NTOK, GSTAGES> src{smem_dg + 256, u, rowoff, I, ring.nsu, nullptr};
-    src.prologue();
     float acc[2][NT][4];
-    nvfp4_mma_run<2, NT, D>(acc, ring, src, lane);
-    src.drain();
+    grouped_run<NT, D>(acc, wrow, srow, I, smem_dg, u, [&](int i) { return i < nq ? (q0 + i) * I : -1; }, lane);
     const float* gd = gsc + ((size_t)e * 3 + 2) * 2;
     #pragma unroll
     for (int n = 0; n < NT; ++n)
