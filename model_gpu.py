@@ -57,9 +57,9 @@ MAX_IMAGES = 64                # images of one sequence in one eager step (the s
 # whole blocks, at most kv_cap positions (the engine: max_batch x max_len) and at least KV_AUTO_MIN (auto_kv_tokens).
 KV_AUTO_FRACTION, KV_AUTO_RESERVE, KV_AUTO_MIN = 0.9, 2 << 30, 4096
 # Bytes of bf16 weight copies kept for the `_ss` prefill launches (layers.linear cache_w16: whole launches, the
-# o_proj ones first, then q+k+v, layer by layer), so that those launches make no copy of their own. They count as
-# weight memory (the full-size model: 14.94 GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0:
-# none kept.
+# o_proj ones first, then q+k+v, layer by layer), so that those launches make no copy of their own (and take `_ss`
+# from layers.linear.W16_KEPT_MIN_T tokens, not W16_MIN_T). They count as weight memory (the full-size model: 14.94
+# GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0: none kept.
 W16_KEEP_BYTES = 1 << 30
 
 
