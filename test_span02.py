@@ -7102,7 +7102,7 @@ def test_mlp_slots_plan():
     assert names == ['w16_fp8', 'gemm_fp8_bf16_ss'] and g.args[1][0].ptr == 1024, (names, g.args[1][:3])
 
 
-def test_linear_kept_w16_copies():
+def test_linear_kept_w16_copies(monkeypatch):
     """layers.linear (no device): a `_ss` launch reads the bf16 copies cache_w16 kept (g.w16_cache, by the FP8 weights'
     address) for the projections that have one; w16_fp8 copies only the others, from the scratch's start (grid z =
     their count), and does not run when every projection has one; the scratch need only hold the copies made. Below
@@ -7147,13 +7147,9 @@ def test_linear_kept_w16_copies():
         g = _LaunchLog()
         g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=0),
                      'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=2048 * H * 2)}
-        g.w16_cache = {qkv[i].w.ptr: kept[i] if i in kept else types.SimpleNamespace(ptr=1 << 38) for i in keep}
-        saved = lin_mod.W16_KEPT_MIN_T
-        lin_mod.W16_KEPT_MIN_T = kept_min
-        try:
-            lin_mod.linear_multi_gpu(g, bf(t, H), qkv, [bf(t, w.N) for w in qkv])
-        finally:
-            lin_mod.W16_KEPT_MIN_T = saved
+        g.w16_cache = {qkv[i].w.ptr: kept.get(i, types.SimpleNamespace(ptr=1 << 38)) for i in keep}
+        monkeypatch.setattr(lin_mod, 'W16_KEPT_MIN_T', kept_min)
+        lin_mod.linear_multi_gpu(g, bf(t, H), qkv, [bf(t, w.N) for w in qkv])
         names = [f.split('.')[1] for f, *_ in g.launches]
         if want == 'ss':
             assert names == ['x16_bf16', 'gemm_fp8_bf16_ss'], (t, keep, names)
