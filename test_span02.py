@@ -7140,10 +7140,12 @@ def test_linear_kept_w16_copies(monkeypatch):
             assert g.launches[1][1][2] == len(made) and [conv[1 + 3 * j] for j in range(len(made))] == [
                 qkv[i].w for i in made], (keep, conv)
     lo = lin_mod.W16_KEPT_MIN_T
-    assert lo is not None and lin_mod.W_MIN_T <= lo < lin_mod.W16_MIN_T
+    wlo = lin_mod.W_MIN_T
+    assert lo is not None and wlo < lo < lin_mod.W16_MIN_T
     for t, keep, kept_min, want in ((lin_mod.W16_MIN_T - 1, (0, 1, 2), lo, 'ss'), (lo, (0, 1, 2), lo, 'ss'),
-                                    (lo - 1, (0, 1, 2), lo, None), (lin_mod.W16_MIN_T - 1, (1, 2), lo, 'ws'),
-                                    (lin_mod.W16_MIN_T - 1, (0, 1, 2), None, 'ws')):
+                                    (lo - 1, (0, 1, 2), lo, 'ws'), (lin_mod.W16_MIN_T - 1, (1, 2), lo, 'ws'),
+                                    (lin_mod.W16_MIN_T - 1, (0, 1, 2), None, 'ws'), (wlo, (0, 1, 2), wlo, 'ss'),
+                                    (wlo - 1, (0, 1, 2), wlo, None)):
         g = _LaunchLog()
         g.scratch = {'w16': types.SimpleNamespace(ptr=1 << 20, nbytes=0),
                      'x16': types.SimpleNamespace(ptr=1 << 30, nbytes=2048 * H * 2)}

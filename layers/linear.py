@@ -65,7 +65,11 @@ W16_MIN_T = 1024
 # 2026-12-02, the eager prefill step of one sequence (alternating, medians of 8, argmax equal): 508 tokens 14.94 ->
 # 14.77 ms (its kernel sum 14.98 -> 14.62 ms: `_ws` 3.87 ms -> `_ss` 1.15 + `_ws` 2.27 + one x16 copy; the attention's
 # `_slots` form +0.08), 1,000 tokens 24.57 -> 23.95; 300 tokens within its spread (15.66 / 15.72, 12.7 .. 21.2).
-W16_KEPT_MIN_T = 65
+# But 2026-12-02 (forty-eighth session), the engine's 512-token readouts (6 alternating rounds of 5, medians) 15.93 ->
+# 16.39 ms with it from 65 tokens, slower in every round though its kernel sum is 0.47 ms less; eager steps (medians
+# of 8): 512 tokens 18.13 -> 18.46, 508 17.53 -> 18.45, 640 19.32 -> 18.89, 768 19.87 -> 19.82, 1,000 24.57 -> 24.17.
+# Hence from 640 tokens: a one-sequence prompt chunk (at most 512 tokens) never takes it, larger steps do.
+W16_KEPT_MIN_T = 640
 SS_SMEM = 6 * 2 * 128 * 128 + 2 * 6 * 8                           # 6 stages of A + B, their mbarriers
 W16_THREADS = 512                     # most threads a CTA of the copies (a row's 8 pieces a unit)
 COPY_ROWS = 4                         # rows a CTA of w16_fp8 (linear_sm90a.cu COPY_ROWS)
