@@ -35,6 +35,9 @@ class EngineError(Exception):
         self.status, self.type, self.message, self.field, self.retry_after = status, type, message, field, retry_after
 
 
+STEP_MS_LE = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)   # step_ms / step_gpu_wait_ms buckets
+
+
 class Histogram:
     """Prometheus-style: `le` upper bounds (+Inf implied), cumulative counts, sum, count."""
 
@@ -89,7 +92,7 @@ class Engine:
         self.thread = None
         self.m = {"answers": Counter(), "requests": Counter(), "prompt_tokens": 0, "cached_tokens": 0,
                   "reasoning_tokens": 0, "images": 0, "steps": 0,
-                  "step_ms": Histogram((1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)),
+                  "step_ms": Histogram(STEP_MS_LE), "step_gpu_wait_ms": Histogram(STEP_MS_LE),
                   "batch": Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256))}
         self.gauges = {"running": 0, "running_seqs": 0, "blocks_used": 0, "hit_tokens": 0, "lookup_tokens": 0}
 
@@ -139,8 +142,9 @@ class Engine:
         """{"answers": {stop: n}, "requests": {"ok" | "<status>": n}, "prompt_tokens": n, "cached_tokens": n,
         "reasoning_tokens": n, "images": n, "steps": n (counters); "queue_waiting", "running_requests",
         "running_seqs", "kv_used" (share of blocks), "kv_capacity_tokens", "prefix_cache_hit_ratio"
-        (gauges); "step_ms", "batch" (rows per step): histograms {"le": [...], "counts": cumulative
-        [...] per le (+Inf = count), "sum": f, "count": n}."""
+        (gauges); "step_ms", "batch" (rows per step) and, on a GPU model, "step_gpu_wait_ms" (the part of each
+        step the host spent blocked on the GPU; step_ms less it is the host's own part): histograms {"le": [...],
+        "counts": cumulative [...] per le (+Inf = count), "sum": f, "count": n}."""
         with self.lock:
             m, g = self.m, self.gauges
             return {"answers": dict(m["answers"]), "requests": dict(m["requests"]),
@@ -149,7 +153,9 @@ class Engine:
                     "running_seqs": g["running_seqs"], "kv_used": g["blocks_used"] / self.model.num_blocks,
                     "kv_capacity_tokens": self.model.num_blocks * BLOCK,
                     "prefix_cache_hit_ratio": g["hit_tokens"] / g["lookup_tokens"] if g["lookup_tokens"] else 0.0,
-                    "step_ms": m["step_ms"].snapshot(), "batch": m["batch"].snapshot()}
+                    "step_ms": m["step_ms"].snapshot(), "batch": m["batch"].snapshot(),
+                    **({"step_gpu_wait_ms": m["step_gpu_wait_ms"].snapshot()}
+                       if hasattr(self.model, "gpu_wait_s") else {})}
 
     # --- the engine thread -------------------------------------------------------------------------
     def _run(self):
@@ -267,6 +273,7 @@ class Engine:
         works = [w for w in works if not w.seq.tag[0].over]
         if not works:
             return
+        wait0 = getattr(self.model, "gpu_wait_s", None)
         try:
             outs = self._model_step(works)
         except Exception:
@@ -279,6 +286,8 @@ class Engine:
         with self.lock:
             self.m["steps"] += 1
             self.m["step_ms"].observe((done - now) * 1000.0)
+            if wait0 is not None:                  # a GPU model: the part of the step the host sat waiting on it
+                self.m["step_gpu_wait_ms"].observe((self.model.gpu_wait_s - wait0) * 1000.0)
             self.m["batch"].observe(len(works))
         self.sched.complete(works)
         for w, out in zip(works, outs):

@@ -17,6 +17,7 @@ import math
 import os
 import struct
 import threading
+import time
 
 import numpy as np
 
@@ -239,6 +240,7 @@ class GPU:
         self.side_stream = None            # made by the first branch()
         self._fork_ev = self._join_ev = None
         self._joined = True                # no side work the main stream has not waited for
+        self.wait_s = 0.0                  # host seconds spent blocked on the GPU so far (sync, wait, elapsed_ms)
 
     check = staticmethod(check)
 
@@ -328,7 +330,17 @@ class GPU:
 
     def sync(self):
         self.join()
-        check(cu.cuStreamSynchronize(self.main_stream), "cuStreamSynchronize")
+        self._blocked(cu.cuStreamSynchronize, self.main_stream)
+
+    def _blocked(self, call, handle):
+        """A driver call that blocks the host until the GPU gets somewhere, its time added to wait_s: what a
+        step's wall time less its wait_s leaves is the host's own part (GpuModel.gpu_wait_s, the engine's
+        step_gpu_wait_ms)."""
+        t0 = time.perf_counter()
+        try:
+            check(call(handle), call.__name__)
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     # --- kernels ---------------------------------------------------------------------------------------
     def module(self, name):
@@ -465,11 +477,11 @@ class GPU:
 
     def wait(self, ev):
         """Block the host until the work before ev's last record has run (at once if it never was recorded)."""
-        check(cu.cuEventSynchronize(ev.handle), "cuEventSynchronize")
+        self._blocked(cu.cuEventSynchronize, ev.handle)
 
     def elapsed_ms(self, ev0, ev1):
         """Milliseconds between two recorded events (waits for the second)."""
-        check(cu.cuEventSynchronize(ev1.handle), "cuEventSynchronize")
+        self._blocked(cu.cuEventSynchronize, ev1.handle)
         return check(cu.cuEventElapsedTime(ev0.handle, ev1.handle), "cuEventElapsedTime")
 
     def close(self):

@@ -168,6 +168,12 @@ class GpuModel(StepTools):
         """A view of the first rows of a workspace buffer, shaped for this step."""
         return self.g.view(self.ws[name], 0, shape, dtype)
 
+    @property
+    def gpu_wait_s(self):
+        """Host seconds spent blocked on the GPU so far (gpu.GPU.wait_s): what a step adds to it is the part of
+        its wall time the GPU set; the rest was the host's (the engine's step_gpu_wait_ms)."""
+        return self.g.wait_s
+
     def encode_image(self, pre) -> np.ndarray:
         if self.vision is None:
             raise ValueError("this model has no vision tower")

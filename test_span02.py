@@ -53,6 +53,7 @@ from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGe
 from transformers.image_transforms import convert_to_rgb
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
+import api
 import checkpoint as ck
 import config
 import gpu
@@ -1875,6 +1876,44 @@ def test_step_exception_fails_only_its_requests(demo_prompter):
         assert h["queue"] == {"waiting": 0, "running": 0} and h["kv"]["capacity_tokens"] == m.num_blocks * BLOCK
     finally:
         eng.stop(5)
+
+
+class _WaitingModel(ModelProxy):
+    """A model proxy that, like the GPU backend, counts host time blocked on its device (gpu_wait_s): each step
+    sleeps `wait` seconds after the inner step and adds them."""
+
+    def __init__(self, inner, wait):
+        super().__init__(inner)
+        self.wait, self.gpu_wait_s = wait, 0.0
+
+    def step(self, seqs):
+        outs = super().step(seqs)
+        time.sleep(self.wait)
+        self.gpu_wait_s += self.wait
+        return outs
+
+
+def test_engine_step_gpu_wait_metric(demo_prompter):
+    """A model with gpu_wait_s (as GpuModel has) puts each step's growth of it into step_gpu_wait_ms beside
+    step_ms, one observation a step, exported as span02_step_gpu_wait_seconds; a model without it exports none."""
+    wait = 0.003
+    m = _WaitingModel(random_model(), wait)
+    eng = Engine(m, demo_prompter, EngineConfig(model_dir="", max_len=512, prefill_chunk=32))
+    eng.start()
+    try:
+        eng.submit(make_request(0, n_q=2)).result(60)
+        snap = eng.metrics_snapshot()
+    finally:
+        eng.stop(5)
+    st, gw = snap["step_ms"], snap["step_gpu_wait_ms"]
+    assert st["count"] == gw["count"] == snap["steps"] == len(m.calls) > 1
+    assert gw["sum"] == pytest.approx(len(m.calls) * wait * 1e3) and gw["sum"] < st["sum"]
+    assert gw["counts"][gw["le"].index(5)] == gw["count"] and gw["counts"][gw["le"].index(2)] == 0
+    text = api.Metrics().render(0, snap)
+    assert f"span02_step_gpu_wait_seconds_count {gw['count']}" in text
+    assert 'span02_step_gpu_wait_seconds_bucket{le="0.005"}' in text
+    plain = Engine(random_model(), demo_prompter, EngineConfig(model_dir="", max_len=512))
+    assert "step_gpu_wait_ms" not in plain.metrics_snapshot()
 
 
 def test_calibrate_table(demo_prompter):
@@ -5217,6 +5256,32 @@ def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
     assert on.decode_graph_steps == n0 + 1
     print("one decode step:", counts)
     assert counts == {"sync": 1, "download": 1, "upload": 1}
+
+
+@needs_gpu
+def test_gpu_wait_s_is_the_host_blocked_on_the_gpu(graph_pair, monkeypatch):
+    """GpuModel.gpu_wait_s (gpu.GPU.wait_s) grows by the time a step spends in the driver's blocking waits, which
+    lie inside the step's wall time: an eager prompt step and a decode replay (its one sync) each add to it."""
+    on, _ = graph_pair
+    seqs, toks = _graph_prefill([on], 5, np.random.default_rng(13))
+    blocked = []
+
+    def timed(f):
+        def wrapped(call, handle):
+            t0 = time.perf_counter()
+            f(call, handle)
+            blocked.append(time.perf_counter() - t0)
+        return wrapped
+
+    monkeypatch.setattr(on.g, "_blocked", timed(on.g._blocked))
+    V = on.cfg.text.vocab
+    prompt = tuple(int(t) for t in np.random.default_rng(14).integers(3, V, 300))
+    for batch in ([SeqStep(prompt, 0, tuple(range(100, 100 + 19)), argmax=True)], _graph_decode(seqs, toks, 0)):
+        blocked.clear()
+        w0, t0 = on.gpu_wait_s, time.perf_counter()
+        on.step(batch)
+        wall, waited = time.perf_counter() - t0, on.gpu_wait_s - w0
+        assert blocked and 0 < waited <= sum(blocked) <= wall, (waited, blocked, wall)
 
 
 @needs_gpu
