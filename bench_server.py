@@ -6,6 +6,9 @@
                   clock, request arrival to answer = arrival to first readout). Beside it `readout_stage_ms` (the
                   trace's readout stage: the question's start to its readout) and `readout_wall_ms` (client clock,
                   request sent to response read). Median of `--readout-repeats` distinct stems after one warm-up.
+                  With them, from the server's /metrics over the timed requests: readout_steps, readout_step_ms
+                  (their mean) and on the GPU readout_step_host_ms (the mean part the host was not blocked on the
+                  GPU: close to readout_step_ms, the readout was bound by the host's launches).
     decisions_s   the standard workload: N requests of 4 questions (300-token context shared by a request's
                   questions, ~60 tokens and 4 choices per question), policy tau 0.8 / cap 256, no deadline, all
                   sent at once by a local client (one thread and one connection per request), default serving
@@ -156,6 +159,29 @@ def http_call(port, method, path, body=None, timeout=60.0):
         conn.close()
 
 
+def metric_sums(port, names, timeout=30.0):
+    """{name: value} of the plain (label-free) series `names` in the server's /metrics text; a series the server
+    does not export is left out."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        text = r.read().decode()
+        if r.status != 200:
+            raise BenchError(f"/metrics: HTTP {r.status}: {text[:300]}")
+    finally:
+        conn.close()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[name] = float(value)
+    return out
+
+
+STEP_SERIES = ("span02_step_seconds_sum", "span02_step_seconds_count", "span02_step_gpu_wait_seconds_sum")
+
+
 def _text(prompter, n_tokens, rng, lead=""):
     """Words of WORDS in random order after `lead`, trimmed to at most `n_tokens` tokens (close to it)."""
     words = [lead] if lead else []
@@ -202,8 +228,10 @@ def readout_stem_request(prompter, stem_tokens, i):
 
 def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
     """readout figures (module docstring) from 1 warm-up + `repeats` requests with distinct stems, one at a time."""
-    rows = []
+    rows, before = [], None
     for i in range(repeats + 1):
+        if i == 1:                                       # the engine's step series after the warm-up
+            before = metric_sums(port, STEP_SERIES)
         body = readout_stem_request(prompter, stem_tokens, i)
         t0 = time.perf_counter()
         status, out = http_call(port, "POST", "/v1/systemone", body, timeout=timeout)
@@ -216,9 +244,25 @@ def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
         if i:                                            # request 0 is the warm-up
             rows.append((a["ms"], a["trace"][0]["ms"], wall, out["usage"]["prompt_tokens"]))
     a = np.array(rows, dtype=float)
-    return {"readout_ms": round(float(np.median(a[:, 0])), 2), "readout_stage_ms": round(float(np.median(a[:, 1])), 2),
-            "readout_wall_ms": round(float(np.median(a[:, 2])), 2), "readout_stem_tokens": int(a[0, 3]),
-            "readout_repeats": repeats, "readout_ms_each": [round(float(x), 2) for x in a[:, 0]]}
+    r = {"readout_ms": round(float(np.median(a[:, 0])), 2), "readout_stage_ms": round(float(np.median(a[:, 1])), 2),
+         "readout_wall_ms": round(float(np.median(a[:, 2])), 2), "readout_stem_tokens": int(a[0, 3]),
+         "readout_repeats": repeats, "readout_ms_each": [round(float(x), 2) for x in a[:, 0]]}
+    return {**r, **_step_split(before, metric_sums(port, STEP_SERIES))}
+
+
+def _step_split(before, after):
+    """The engine's steps between two metric_sums: readout_steps, readout_step_ms (their mean wall time) and,
+    on a GPU server, readout_step_host_ms (the mean part of it the host did not spend blocked on the GPU: near
+    readout_step_ms, the steps were bound by the host's launches, not the GPU)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_SERIES}
+    n = int(round(d["span02_step_seconds_count"]))
+    if not n:
+        return {"readout_steps": 0}
+    out = {"readout_steps": n, "readout_step_ms": round(d["span02_step_seconds_sum"] / n * 1e3, 2)}
+    if "span02_step_gpu_wait_seconds_sum" in after:
+        out["readout_step_host_ms"] = round((d["span02_step_seconds_sum"] - d["span02_step_gpu_wait_seconds_sum"])
+                                            / n * 1e3, 2)
+    return out
 
 
 def run_workload(port, reqs, timeout=540.0):

@@ -6047,6 +6047,9 @@ def test_server_figures_on_demo_cpu(server_pids):
     assert 0 < r["load_s"] < 60 and 0 < r["load_s_second"] < 60
     assert 0 < r["readout_stage_ms"] <= r["readout_ms"] <= r["readout_wall_ms"]
     assert 480 <= r["readout_stem_tokens"] <= 512 and r["readout_repeats"] == 1
+    # the engine's steps inside the timed readout, from /metrics; the CPU model has no GPU wait to report
+    assert r["readout_steps"] >= 1 and 0 < r["readout_steps"] * r["readout_step_ms"] <= r["readout_ms"] + 0.01
+    assert "readout_step_host_ms" not in r
     assert r["decisions_requests"] == 4 and r["decisions_questions"] == 16 and r["decisions_errors"] == 0
     assert r["decisions_s"] > 0 and 0 < r["decisions_p50_ms"] <= r["decisions_p99_ms"]
     assert r["decisions_p99_ms"] <= r["decisions_wall_s"] * 1e3 + 5.1     # wall_s is rounded to 10 ms
