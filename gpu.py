@@ -142,7 +142,7 @@ class Event:
 
 def _shape_bytes(shape, dtype):
     """(shape as a tuple of ints, its bytes in dtype): what empty, host_empty and view take as a shape."""
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
     return shape, math.prod(shape) * np.dtype(dtype).itemsize
 
 
@@ -182,20 +182,16 @@ _SLOT = {"P": "Q", "q": "q", "i": "i4x", "f": "f4x"}
 class _Layouts(threading.local):
     def __init__(self):
         self.by_codes = {}                             # codes -> (struct, values buffer, slot addresses, address)
+        self.by_types = {}                             # the arguments' types -> their codes' layout
 
 
 _layouts = _Layouts()
 
 
-def kernel_params(args):
-    """The void** kernelParams address of `args` (see _SLOT): valid until the next call with the same argument
-    layout in this thread."""
-    vals, codes = [], []
-    for a in args:
-        v, c = _arg(a)
-        vals.append(v)
-        codes.append(c)
-    key = "".join(codes)
+def _layout(args):
+    """The layout of args' codes (made on first use), remembered under their types: an argument's code follows
+    from its type (_arg), so later launches with the same types skip _arg."""
+    key = "".join(_arg(a)[1] for a in args)
     lay = _layouts.by_codes.get(key)
     if lay is None:
         n = max(len(key), 1)
@@ -203,7 +199,20 @@ def kernel_params(args):
         slots = (ctypes.c_void_p * n)(*[ctypes.addressof(data) + 8 * i for i in range(n)])
         lay = _layouts.by_codes[key] = (struct.Struct("<" + "".join(_SLOT[c] for c in key)), data, slots,
                                         ctypes.addressof(slots))
-    lay[0].pack_into(lay[1], 0, *vals)
+    _layouts.by_types[tuple(map(type, args))] = lay
+    return lay
+
+
+def kernel_params(args):
+    """The void** kernelParams address of `args` (see _SLOT): valid until the next call with the same argument
+    layout in this thread."""
+    lay = _layouts.by_types.get(tuple(map(type, args))) or _layout(args)
+    try:                                               # struct takes each value as _arg would give it
+        lay[0].pack_into(lay[1], 0, *[a.ptr if type(a) is DeviceArray else 0 if a is None else a for a in args])
+    except struct.error:
+        for a in args:
+            _arg(a)                                    # an int beyond int32 raises its own error here
+        raise
     return lay[3]
 
 

@@ -3131,6 +3131,9 @@ def test_kernel_params_pack_each_argument_kind():
     assert gpu.kernel_params(vals) == a and read(a, len(vals)) == [v for _, v in want]
     with pytest.raises(OverflowError):
         gpu.kernel_params([1 << 40])
+    gpu.kernel_params([3, 1.5])                    # the (int, float) layout is known now; its int still checked
+    with pytest.raises(OverflowError):
+        gpu.kernel_params([-(1 << 31) - 1, 1.5])
     with pytest.raises(TypeError):
         gpu.kernel_params([Arr()])
 
