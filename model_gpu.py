@@ -157,6 +157,7 @@ class GpuModel(StepTools):
                        keys_out=g.empty((S, MAX_KEYS_OUT), np.float32),
                        head_work=g.empty((head_work_bytes(S, t.vocab) // 4,), np.float32))
         self.inp_host, self.inp_copied = g.host_empty((n_in,), np.int32), g.event()   # ws["inp"]'s pinned source
+        self._views = {}                                                            # _v's
         self.moe_ws = moe_workspace(g, R, t.experts, t.top_k, H, t.expert_intermediate)
         if linear.W16_MIN_T is not None and R >= linear.W16_MIN_T:    # the `_ss` launches' bf16 weight copies
             attn = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -165,8 +166,15 @@ class GpuModel(StepTools):
                 [w["mlp.down_proj"]])], R)
 
     def _v(self, name, *shape, dtype=BF16):
-        """A view of the first rows of a workspace buffer, shaped for this step."""
-        return self.g.view(self.ws[name], 0, shape, dtype)
+        """A view of the first rows of a workspace buffer, shaped for this step: made once per shape and kept (the
+        workspace never moves and nothing changes a view), since a step asks for ~17 a layer."""
+        key = (name, shape, dtype)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            v = self._views[key] = self.g.view(self.ws[name], 0, shape, dtype)
+        return v
 
     @property
     def gpu_wait_s(self):
