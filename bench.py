@@ -335,6 +335,8 @@ def model_figures(ckpt_dir, profile=True, log=print):
         r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
         r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
         r.update(decide(m, ckpt_dir))
+        if getattr(m, "step_graphs", None) is not None and m.step_graphs.keep:   # SPAN02_STEP_GRAPHS=N
+            r["step_graphs"] = dict(m.step_graphs.stats, keep=m.step_graphs.keep)
         if profile:
             r.update(kernel_figures(m, log=log))
     finally:

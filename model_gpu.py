@@ -9,7 +9,8 @@ the layout of the CPU reference), and one workspace sized for `max_rows` rows pe
 views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
-Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer. A pure decode step
+Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer (or, with
+SPAN02_STEP_GRAPHS=N, a graph per step shape from a shape's second step on: step_graphs.py). A pure decode step
 (every sequence 1 token, no images, no full logits) is ONE CUDA-graph replay (performance.md): the batch is
 padded to a bucket B in DECODE_BUCKETS; the graph of each bucket is captured at load over fixed buffers (inputs,
 workspace views of B rows, block tables of max_blocks columns, MAX_KEYS_OUT readout keys), so a decode step is
@@ -44,6 +45,7 @@ from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
 from model import SeqOut, StepTools
+from step_graphs import StepGraphs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
@@ -133,6 +135,7 @@ class GpuModel(StepTools):
         self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
         self.decode_graphs, self.graph_launches, self._dec = {}, {}, {}    # per bucket B: Graph, launches, buffers
         self.decode_graph_steps = 0                                        # steps served by a replay
+        self.step_graphs = StepGraphs(g)                                   # prompt steps' (off by default)
         self.stats = {"launches_per_decode_step": {}, "host_syncs_per_decode_step": 1}
         if graphs:
             self.capture_decode_graphs()
@@ -145,7 +148,7 @@ class GpuModel(StepTools):
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
             ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H), ("r", H),
             ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("act", I))}
-        n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 3 * S          # _step_inputs' int32 words
+        n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 4 * S + MAX_KEYS_OUT   # _step_inputs' words
         self.ws.update(inp=g.empty((n_in,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((ATTN_WORK // 4,), np.float32),
@@ -205,31 +208,60 @@ class GpuModel(StepTools):
         if n_img > MAX_IMAGES:
             raise ValueError(f"a sequence of {n_img} images in one step: at most {MAX_IMAGES}")
         offsets = list(itertools.accumulate(lens, initial=0))
-        ids, pos, rows_seq, tab, sp, keep = self._step_inputs(seqs, lens, offsets, mb, max(n_img, 1))
-        x = self._v("x", T, t.hidden)
-        embed_gpu(g, self.embed_table, ids, x, self.embed_scale)
-        for s, o in zip(seqs, offsets):
-            for im in s.images:                    # soft tokens replace the <|image|> rows, unscaled, as bf16
-                r = o + im.start - s.start
-                g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
-                         out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
-        self.pruned_steps += keep is not None
-        self._stack(T, pos, rows_seq, tab, sp, keep)
-        return self._head(seqs, offsets, lens, pruned=keep is not None)
+        keep = self._keep_rows(seqs, offsets, lens)
+        last = [j for j, s in enumerate(seqs) if (s.readout or s.argmax) and not s.logits]   # the head's rows
+        rows = list(range(len(last))) if keep is not None else [offsets[j] + lens[j] - 1 for j in last]
+        keys = sorted({k for j in last for k in seqs[j].readout})
+        if len(keys) > MAX_KEYS_OUT:
+            raise ValueError(f"a step of {len(keys)} distinct readout keys: at most {MAX_KEYS_OUT}")
+        ids, pos, rows_seq, tab, sp, keep_v, sel, kd = self._step_inputs(seqs, lens, offsets, mb, max(n_img, 1),
+                                                                         keep, rows, keys)
 
-    def _step_inputs(self, seqs, lens, offsets, mb, n_spans):
+        def launches():                            # everything of the step between its upload and its downloads
+            x = self._v("x", T, t.hidden)
+            embed_gpu(g, self.embed_table, ids, x, self.embed_scale)
+            for s, o in zip(seqs, offsets):
+                for im in s.images:                # soft tokens replace the <|image|> rows, unscaled, as bf16
+                    r = o + im.start - s.start
+                    g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
+                             out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
+            self._stack(T, pos, rows_seq, tab, sp, keep_v)
+            if last:
+                self._head_run(sel, kd if keys else None, len(last), len(keys))
+        shape = None if n_img or any(s.logits for s in seqs) else (   # step_graphs' key: what the launches hang on
+            tuple((n, s.start, len(s.blocks), bool(s.argmax), bool(s.readout)) for s, n in zip(seqs, lens)),
+            len(keys), keep is not None)
+        self.step_graphs.run(shape, launches)
+        self.pruned_steps += keep is not None
+        outs = [SeqOut() for _ in seqs]
+        if last:
+            res = self._head_read(len(last), keys)
+            for r, j in enumerate(last):
+                outs[j] = self._out(seqs[j], res, r)
+        for j, s in enumerate(seqs):               # full logits: a sequence at a time, eagerly
+            if s.logits:
+                lrows = list(range(int(offsets[j]), int(offsets[j] + lens[j])))
+                chunks = [self._head_rows(lrows[a:a + self.max_seqs], s.readout, full=True)
+                          for a in range(0, len(lrows), self.max_seqs)]
+                last_row = self._out(s, chunks[-1], (len(lrows) - 1) % self.max_seqs)
+                outs[j] = dataclasses.replace(last_row, logits=np.concatenate([c["logits"] for c in chunks]))
+        return outs
+
+    def _step_inputs(self, seqs, lens, offsets, mb, n_spans, keep=None, head_rows=(), head_keys=()):
         """An eager step's int32 inputs in one upload: written into the pinned staging array (after its last copy
         has run), copied at once to ws["inp"], returned as views of it: ids (T), pos (T), rows_seq (T), tables
-        (S, mb), spans (S, n_spans, 2) (image start, rows) and keep (3, R) (_keep_rows; None when every row goes
-        on). One copy in place of six: on an idle GPU each of a step's first submissions costs ~0.1 ms, whatever
-        it is (BENCHMARKS.md, thirty-first session)."""
+        (S, mb), spans (S, n_spans, 2) (image start, rows), keep (3, R) (_keep_rows; None when every row goes
+        on), and the head's rows and readout keys. One copy in place of eight: on an idle GPU each of a step's
+        first submissions costs ~0.1 ms, whatever it is (BENCHMARKS.md, thirty-first session); and a step's
+        graph (step_graphs) finds all its data in place."""
         g, T, S = self.g, offsets[-1], len(seqs)
-        keep = self._keep_rows(seqs, offsets, lens)
-        shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape])
+        shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape]) + [
+            (len(head_rows),), (len(head_keys),)]
         ends = list(itertools.accumulate((math.prod(sh) for sh in shapes), initial=0))
         g.wait(self.inp_copied)
         h = self.inp_host
-        ids, pos, rows_seq, tab, sp, *kept = [h[a:b].reshape(sh) for a, b, sh in zip(ends, ends[1:], shapes)]
+        ids, pos, rows_seq, tab, sp, *kept, sel, kd = [h[a:b].reshape(sh) for a, b, sh in zip(ends, ends[1:], shapes)]
+        sel[:], kd[:] = head_rows, head_keys
         tab[:], sp[:] = 0, 0
         for j, (s, o, n) in enumerate(zip(seqs, offsets, lens)):
             ids[o:o + n] = s.tokens
@@ -243,7 +275,7 @@ class GpuModel(StepTools):
         g.upload(h[:ends[-1]], out=g.view(self.ws["inp"], 0, (ends[-1],), np.int32))
         g.record(self.inp_copied)
         views = [g.view(self.ws["inp"], 4 * a, sh, np.int32) for a, sh in zip(ends, shapes)]
-        return views + ([None] if keep is None else [])
+        return views[:5] + ([None] if keep is None else views[5:6]) + views[-2:]
 
     def _keep_rows(self, seqs, offsets, lens):
         """The rows the last layer keeps (prune_last): the last row of each readout / argmax sequence, in sequence
@@ -360,26 +392,6 @@ class GpuModel(StepTools):
             g.copy(self._v(src, R, n), self._v(tmp, R, n))
         return R, g.view(keep, 4 * R, (R,), np.int32), g.view(keep, 8 * R, (R,), np.int32)
 
-    def _head(self, seqs, offsets, lens, pruned=False):
-        """Final norm and tied head on the rows that need logits: the last row of a readout / argmax sequence,
-        every row of a `logits` one (those go one sequence at a time through the same buffers). pruned: the last
-        layer kept only the readout / argmax rows, as rows 0 .. R-1 in sequence order."""
-        outs = [SeqOut() for _ in seqs]
-        last = [j for j, s in enumerate(seqs) if (s.readout or s.argmax) and not s.logits]
-        if last:
-            rows = list(range(len(last))) if pruned else [int(offsets[j] + lens[j] - 1) for j in last]
-            res = self._head_rows(rows, sorted({k for j in last for k in seqs[j].readout}))
-            for r, j in enumerate(last):
-                outs[j] = self._out(seqs[j], res, r)
-        for j, s in enumerate(seqs):
-            if s.logits:
-                rows = list(range(int(offsets[j]), int(offsets[j] + lens[j])))
-                chunks = [self._head_rows(rows[a:a + self.max_seqs], s.readout, full=True)
-                          for a in range(0, len(rows), self.max_seqs)]
-                last_row = self._out(s, chunks[-1], (len(rows) - 1) % self.max_seqs)
-                outs[j] = dataclasses.replace(last_row, logits=np.concatenate([c["logits"] for c in chunks]))
-        return outs
-
     def _head_launches(self, x, logits, am, keys=None, lse=None, keys_out=None):
         """Final norm, tied head, soft-cap, argmax and (with keys) the readout over the rows x (R, H): the
         launches the eager head and the decode graph share."""
@@ -393,25 +405,40 @@ class GpuModel(StepTools):
         if keys is not None:
             readout_gpu(g, logits, keys, lse, keys_out, self.ws["head_work"])
 
-    def _head_rows(self, rows, keys, full=False):
-        g, t = self.g, self.cfg.text
-        R = len(rows)
-        sel = g.upload(np.asarray(rows, np.int32), out=self._v("sel", R, dtype=np.int32))
-        z = self._v("z", R, t.hidden)
-        embed_gpu(g, self.ws["x"], sel, z, 1.0)                  # gather the rows (x * 1.0 is exact)
-        logits = self.g.view(self.ws["logits"], 0, (R, t.vocab), np.float32)
-        am = self._v("am", R, dtype=np.int32)
-        kd = lse = ko = None
-        if keys:
-            kd = g.upload(np.asarray(keys, np.int32), out=self._v("keys", len(keys), dtype=np.int32))
-            lse, ko = self._v("lse", R, dtype=np.float32), g.view(self.ws["keys_out"], 0, (R, len(keys)), np.float32)
+    def _head_bufs(self, R, nk):
+        """The head's outputs for R rows and nk readout keys: logits (R, vocab), argmax, lse and key logits."""
+        g = self.g
+        logits = g.view(self.ws["logits"], 0, (R, self.cfg.text.vocab), np.float32)
+        lse, ko = (self._v("lse", R, dtype=np.float32), g.view(self.ws["keys_out"], 0, (R, nk), np.float32)) if nk \
+            else (None, None)
+        return logits, self._v("am", R, dtype=np.int32), lse, ko
+
+    def _head_run(self, sel, kd, R, nk):
+        """The head's launches on the R rows of ws["x"] that sel (int32, on the device) names, reading out the nk
+        keys kd (None: none)."""
+        z = self._v("z", R, self.cfg.text.hidden)
+        embed_gpu(self.g, self.ws["x"], sel, z, 1.0)              # gather the rows (x * 1.0 is exact)
+        logits, am, lse, ko = self._head_bufs(R, nk)
         self._head_launches(z, logits, am, kd, lse, ko)
+
+    def _head_read(self, R, keys, full=False):
+        """What _head_run left for R rows and `keys`: {"keys", "argmax", "lse", "keys_out", "logits" (full)}."""
+        g = self.g
+        logits, am, lse, ko = self._head_bufs(R, len(keys))
         res = {"keys": list(keys), "argmax": g.download(am)}
         if keys:
             res["lse"], res["keys_out"] = g.download(lse), g.download(ko)
         if full:
             res["logits"] = g.download(logits)
         return res
+
+    def _head_rows(self, rows, keys, full=False):
+        """The head on `rows` of ws["x"] (uploaded here), run and read: a `logits` sequence's chunks."""
+        g, R = self.g, len(rows)
+        sel = g.upload(np.asarray(rows, np.int32), out=self._v("sel", R, dtype=np.int32))
+        kd = g.upload(np.asarray(keys, np.int32), out=self._v("keys", len(keys), dtype=np.int32)) if keys else None
+        self._head_run(sel, kd, R, len(keys))
+        return self._head_read(R, keys, full)
 
     @staticmethod
     def _out(s, res, r):
@@ -573,7 +600,8 @@ class GpuModel(StepTools):
         ids = tuple(int(x) for x in np.random.default_rng(0).integers(3, self.cfg.text.vocab, T))
         seq = SeqStep(ids, 0, tuple(range(nb)), argmax=True)
         self.step([seq])
-        _, pos, rows_seq, tab, sp, keep = self._step_inputs([seq], [T], [0, T], nb, 1)
+        _, pos, rows_seq, tab, sp, keep, _, _ = self._step_inputs([seq], [T], [0, T], nb, 1,
+                                                                  self._keep_rows([seq], [0, T], [T]))
         return self._profile(lambda: self._stack(T, pos, rows_seq, tab, sp, keep), reps)
 
     def _profile(self, body, reps):
@@ -618,6 +646,7 @@ class GpuModel(StepTools):
         for graph in self.decode_graphs.values():
             graph.close()
         self.decode_graphs.clear()
+        self.step_graphs.close()
         self._dec.clear()
         self.inp_host = None
         self.g.close()

@@ -3103,6 +3103,65 @@ def test_gpu_runtime_graph_replay(g):
     graph.close()
 
 
+class _FakeCaptureGpu:
+    """What step_graphs.StepGraphs asks of a gpu.GPU, as a log: capture begin / end, replays, closes, syncs."""
+
+    def __init__(self):
+        self.allocated_bytes, self.log, self.capturing = 0, [], False
+
+    def capture_begin(self):
+        self.capturing = True
+        self.log.append("begin")
+
+    def capture_end(self):
+        self.capturing = False
+        n = sum(1 for e in self.log if e == "begin")
+        self.log.append("end")
+        return types.SimpleNamespace(replay=lambda: self.log.append(f"replay{n}"),
+                                     close=lambda: self.log.append(f"close{n}"))
+
+    def sync(self):
+        self.log.append("sync")
+
+
+def test_step_graphs_eager_capture_replay_lru():
+    """step_graphs.StepGraphs (no GPU): a shape's first step runs its body eagerly, the second captures it and
+    replays the graph, later ones replay; at most `keep` graphs, the least recently used closed (after a sync);
+    key None or keep 0: eager; a body that fails or allocates inside the capture raises, the capture ended."""
+    from step_graphs import StepGraphs
+    g = _FakeCaptureGpu()
+    sg, calls = StepGraphs(g, keep=2), []
+    body = lambda k: lambda: calls.append((k, g.capturing))
+    for k in ("a", "a", "a"):
+        sg.run(k, body(k))
+    assert calls == [("a", False), ("a", True)] and g.log == ["begin", "end", "replay1", "replay1"]
+    for k in ("b", "b", "a", "c", "c"):                # c's graph evicts b's, the least recently used
+        sg.run(k, body(k))
+    assert list(sg.graphs) == ["a", "c"] and g.log[-4:] == ["end", "sync", "close2", "replay3"]
+    assert sg.stats == {"eager": 3, "captures": 3, "replays": 5}
+    calls.clear()
+    sg.run(None, body("n"))
+    sg.run(None, body("n"))
+    StepGraphs(g, keep=0).run("a", body("z"))
+    assert calls == [("n", False), ("n", False), ("z", False)]
+
+    def boom():
+        raise ValueError("boom")
+    sg.seen["d"] = True                                # its eager step ran before
+    with pytest.raises(RuntimeError, match="boom"):
+        sg.run("d", boom)
+    assert not g.capturing and "d" not in sg.graphs
+
+    def alloc():
+        g.allocated_bytes += 64
+    sg.seen["e"] = True
+    with pytest.raises(RuntimeError, match="allocated"):
+        sg.run("e", alloc)
+    assert "e" not in sg.graphs and g.log[-1].startswith("close")
+    sg.close()
+    assert not sg.graphs and not sg.seen
+
+
 def test_kernel_params_pack_each_argument_kind():
     """gpu.kernel_params (no GPU needed): the void** array points at each argument's value in its C type (pointer,
     int32, int64, float32); a layout's buffers are reused, another layout's are its own; bad arguments raise."""
@@ -5285,6 +5344,51 @@ def test_gpu_wait_s_is_the_host_blocked_on_the_gpu(graph_pair, monkeypatch):
         on.step(batch)
         wall, waited = time.perf_counter() - t0, on.gpu_wait_s - w0
         assert blocked and 0 < waited <= sum(blocked) <= wall, (waited, blocked, wall)
+
+
+@needs_gpu
+def test_gpu_step_graphs_match_eager(graph_pair, monkeypatch):
+    """Prompt steps through step_graphs (a shape's first step eager, its second captured then replayed, its third
+    replayed), each time over other tokens and block tables, give the bytes the same steps give eagerly on a model
+    without graphs; chunks that start past 0 read KV an earlier step (graphed too) wrote; a `logits` step stays
+    eager."""
+    on, off = graph_pair
+    monkeypatch.setattr(on.step_graphs, "keep", 3)
+    rng = np.random.default_rng(17)
+    V = on.cfg.text.vocab
+    toks = lambda n: tuple(int(x) for x in rng.integers(3, V, n))
+    shapes = [[(300, 0, (5, 9, 11), False)],                    # (tokens, start, readout keys, argmax) a sequence
+              [(77, 0, (), True), (120, 0, (4, 7), True)],
+              [(1, 40, (7, 8), True), (200, 0, (), True)],
+              [(60, 64, (3,), True)]]
+    c0, r0 = on.step_graphs.stats["captures"], on.step_graphs.stats["replays"]
+    base = 0
+    try:
+        for shape in shapes:
+            for _ in range(3):
+                batch = []
+                for n, start, keys, am in shape:
+                    blocks = tuple(range(base, base + -(-(start + n) // 16)))
+                    base += len(blocks)
+                    if start:                                  # the prefix this chunk attends to, on both models
+                        prefix = [SeqStep(toks(start), 0, blocks)]
+                        on.step(prefix)
+                        off.step(prefix)
+                    batch.append(SeqStep(toks(n), start, blocks, readout=keys, argmax=am))
+                got, ref = on.step(batch), off.step(batch)
+                assert [_graph_out_bytes(o) for o in got] == [_graph_out_bytes(o) for o in ref], shape
+        st = on.step_graphs.stats
+        assert st["captures"] - c0 >= len(shapes) and st["replays"] - r0 >= 2 * len(shapes), st
+        assert len(on.step_graphs.graphs) <= 3
+        lg = [SeqStep(toks(20), 0, tuple(range(base, base + 2)), logits=True)]
+        c1 = st["captures"]
+        for _ in range(2):
+            got, ref = on.step(lg)[0], off.step(lg)[0]
+            assert np.array_equal(got.logits, ref.logits) and _graph_out_bytes(
+                dataclasses.replace(got, logits=None)) == _graph_out_bytes(dataclasses.replace(ref, logits=None))
+        assert on.step_graphs.stats["captures"] == c1
+    finally:
+        on.step_graphs.close()
 
 
 @needs_gpu
@@ -7636,9 +7740,10 @@ class _StagingLog:
 
 
 def test_step_inputs_one_upload_of_every_int32_input():
-    """An eager step's ids, positions, row -> sequence map, block tables, image spans and kept rows packed into
-    the pinned array and uploaded in one copy after waiting on the last one; each device view reads back its
-    array (tables and spans zero-padded, also over a longer earlier step's leftovers in the reused array)."""
+    """An eager step's ids, positions, row -> sequence map, block tables, image spans, kept rows and the head's rows
+    and readout keys packed into the pinned array and uploaded in one copy after waiting on the last one; each
+    device view reads back its array (tables and spans zero-padded, also over a longer earlier step's leftovers in
+    the reused array)."""
     import model_gpu
     from model import ImageRows
     rng = np.random.default_rng(8)
@@ -7656,7 +7761,10 @@ def test_step_inputs_one_upload_of_every_int32_input():
         lens = [len(s.tokens) for s in seqs]
         offsets = [0] + list(np.cumsum(lens))
         mb, n_spans = max(len(s.blocks) for s in seqs), max([len(s.images) for s in seqs] + [1])
-        views = m._step_inputs(seqs, lens, offsets, mb, n_spans)
+        keep = m._keep_rows(seqs, offsets, lens)
+        head_rows = [int(x) for x in rng.permutation(20)[:len(seqs)]]
+        head_keys = sorted(int(x) for x in rng.choice(np.arange(3, 999), int(rng.integers(0, 6)), replace=False))
+        views = m._step_inputs(seqs, lens, offsets, mb, n_spans, keep, head_rows, head_keys)
         assert [c[0] for c in m.g.calls] == ["wait", "upload", "record"] and m.g.calls[0][1] == "ev"
         sent = m.g.calls[1][1]
         read = [None if v is None else sent[v.ptr // 4:v.ptr // 4 + math.prod(v.shape)].reshape(v.shape)
@@ -7676,7 +7784,9 @@ def test_step_inputs_one_upload_of_every_int32_input():
             assert read[5] is None
         else:
             np.testing.assert_array_equal(read[5], np.asarray(want_keep, np.int32))
-        assert len(sent) == sum(a.size for a in want) + (0 if want_keep is None else 3 * len(want_keep[0]))
+        assert read[6].tolist() == head_rows and read[7].tolist() == head_keys
+        assert len(sent) == sum(a.size for a in want) + (0 if want_keep is None else 3 * len(want_keep[0])) + len(
+            head_rows) + len(head_keys)
 
 
 def test_close_drops_the_pinned_arrays_first():
@@ -7687,9 +7797,10 @@ def test_close_drops_the_pinned_arrays_first():
     m = object.__new__(model_gpu.GpuModel)
     m.g = types.SimpleNamespace(close=lambda: closed.append(("gpu", m.inp_host, dict(m._dec))))
     m.decode_graphs = {1: types.SimpleNamespace(close=lambda: closed.append("graph"))}
+    m.step_graphs = types.SimpleNamespace(close=lambda: closed.append("step graphs"))
     m._dec, m.inp_host = {1: {"host_in": np.zeros(4, np.int32)}}, np.zeros(8, np.int32)
     m.close()
-    assert closed == ["graph", ("gpu", None, {})] and m.decode_graphs == {}
+    assert closed == ["graph", "step graphs", ("gpu", None, {})] and m.decode_graphs == {}
 
 
 if __name__ == "__main__":
