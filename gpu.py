@@ -472,6 +472,25 @@ class GPU:
             check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
         return Graph(self, exec_, launches or 0)
 
+    def capture(self, body, what):
+        """body()'s work on the stream as an instantiated Graph, not run. A body that raises, or that allocates
+        device memory while captured, is our bug: RuntimeError naming `what`, the stream out of capture mode."""
+        before = self.allocated_bytes
+        self.capture_begin()
+        try:
+            body()
+        except Exception as e:
+            try:                               # leave the stream out of capture mode
+                self.capture_end().close()
+            except Exception:
+                pass
+            raise RuntimeError(f"{what}: {e}") from e
+        graph = self.capture_end()
+        if self.allocated_bytes != before:
+            graph.close()
+            raise RuntimeError(f"{what}: the capture allocated device memory")
+        return graph
+
     def event(self):
         return Event(check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DEFAULT), "cuEventCreate"))
 

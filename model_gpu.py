@@ -536,19 +536,8 @@ class GpuModel(StepTools):
             self._decode_inputs(d, [], [])
             self._decode_body(B, d)                            # warm-up, eager
             g.sync()
-            before = g.allocated_bytes
-            g.capture_begin()
-            try:
-                self._decode_body(B, d)
-            except Exception as e:
-                try:                                           # leave the stream out of capture mode
-                    g.capture_end().close()
-                except Exception:
-                    pass
-                raise RuntimeError(f"decode graph capture, bucket {B}: {e} (graphs=False loads the eager step)") from e
-            graph = g.capture_end()
-            if g.allocated_bytes != before:
-                raise RuntimeError(f"decode graph B={B}: the capture allocated device memory")
+            graph = g.capture(lambda: self._decode_body(B, d),
+                              f"decode graph capture, bucket {B} (graphs=False loads the eager step)")
             graph.replay()
             g.sync()
             self._dec[B], self.decode_graphs[B], self.graph_launches[B] = d, graph, graph.launches

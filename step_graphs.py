@@ -55,21 +55,7 @@ class StepGraphs:
 
     def _capture(self, key, body):
         g = self.g
-        before = g.allocated_bytes
-        g.capture_begin()
-        try:
-            body()
-        except Exception as e:
-            try:                                     # leave the stream out of capture mode
-                g.capture_end().close()
-            except Exception:
-                pass
-            raise RuntimeError(f"prompt-step graph capture of shape {key!r}: {e}") from e
-        graph = g.capture_end()
-        if g.allocated_bytes != before:
-            graph.close()
-            raise RuntimeError(f"prompt-step graph of shape {key!r}: the capture allocated device memory")
-        self.graphs[key] = graph
+        graph = self.graphs[key] = g.capture(body, f"prompt-step graph capture of shape {key!r}")
         self.stats["captures"] += 1
         if len(self.graphs) > self.keep:
             g.sync()                                 # the evicted graph's last replay has run

@@ -3104,7 +3104,9 @@ def test_gpu_runtime_graph_replay(g):
 
 
 class _FakeCaptureGpu:
-    """What step_graphs.StepGraphs asks of a gpu.GPU, as a log: capture begin / end, replays, closes, syncs."""
+    """What step_graphs.StepGraphs asks of a gpu.GPU, as a log: capture begin / end, replays, closes, syncs; its
+    capture() is gpu.GPU's own."""
+    capture = gpu.GPU.capture
 
     def __init__(self):
         self.allocated_bytes, self.log, self.capturing = 0, [], False
