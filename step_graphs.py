@@ -1,8 +1,9 @@
 """Prompt steps as CUDA-graph replays: OFF by default (SPAN02_STEP_GRAPHS=N keeps up to N graphs).
 
 An eager step (model_gpu.GpuModel.step for anything but a pure decode step) issues ~363 launches from Python, several
-ms of host time; a 512-token readout step takes ~15 ms on the GPU, so a host running at half speed makes that step
-wait on its launches (BENCHMARKS.md, forty-eighth session). The launches of a step depend only on its shape: every
+ms of host time; a 512-token readout step takes ~15 ms on the GPU, so a host running at about half speed would make
+that step wait on its launches (a candidate cause of the server readouts' swings, not established: BENCHMARKS.md,
+forty-eighth session). The launches of a step depend only on its shape: every
 sequence's token count, start, block-table length, argmax / readout flags, the number of readout keys (recorded
 launch by launch, argument values included, with a stand-in driver: the same shape with other tokens and block
 tables gives the same launches). Its data (tokens, positions, tables, head rows, keys) comes through the step's input
@@ -32,7 +33,7 @@ class StepGraphs:
     def __init__(self, g, keep=STEP_GRAPHS):
         self.g, self.keep = g, keep
         self.graphs: OrderedDict = OrderedDict()     # key -> gpu.Graph, least recently used first
-        self.seen: dict = {}                         # keys whose first step ran eagerly
+        self.seen: set = set()                       # keys whose first step ran eagerly
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
     def run(self, key, body):
@@ -47,7 +48,7 @@ class StepGraphs:
         else:
             if len(self.seen) >= SEEN_MAX:
                 self.seen.clear()
-            self.seen[key] = True
+            self.seen.add(key)
             self.stats["eager"] += 1
             return body()
         graph.replay()
