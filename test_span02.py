@@ -5296,13 +5296,13 @@ def test_gpu_graph_decode_allocates_nothing(graph_pair):
 
 @needs_gpu
 def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
-    import model_gpu
+    import decode_graphs
     on, _ = graph_pair
     stats = on.stats
     print("launches per decode step (one replay each):", stats["launches_per_decode_step"])
     assert stats["host_syncs_per_decode_step"] == 1
     assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128] == [
-        b for b in model_gpu.DECODE_BUCKETS if b <= min(on.max_seqs, on.max_rows)]
+        b for b in decode_graphs.DECODE_BUCKETS if b <= min(on.max_seqs, on.max_rows)]
     assert all(n > 0 for n in stats["launches_per_decode_step"].values())
     seqs, toks = _graph_prefill([on], 6, np.random.default_rng(9))
     counts = {}
@@ -5396,10 +5396,10 @@ def test_gpu_step_graphs_match_eager(graph_pair, monkeypatch):
 @needs_gpu
 def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     """A step with a prefill chunk, full logits, or a batch above the largest bucket runs eagerly, same bytes."""
-    import model_gpu
+    import decode_graphs
     on, off = graph_pair
     rng = np.random.default_rng(11)
-    seqs, toks = _graph_prefill([on, off], max(model_gpu.DECODE_BUCKETS) + 1, rng)
+    seqs, toks = _graph_prefill([on, off], max(decode_graphs.DECODE_BUCKETS) + 1, rng)
     n0 = on.decode_graph_steps
     for batch in (_graph_decode(seqs, toks, 0),                                 # 129 > 128: no bucket
                   _graph_decode(seqs[:2], toks[:2], 1)[:1] + [SeqStep(seqs[1][0][-1:] * 3, len(seqs[1][0]) + 1,
