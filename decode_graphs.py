@@ -96,7 +96,7 @@ class DecodeGraphs:
             # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
             mk = min(t.window, self.max_blocks * BLOCK) if geo.sliding else self.max_blocks * BLOCK
             self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk, decode=True)
-        logits = g.view(self.ws["logits"], 0, (B, t.vocab), np.float32)  # all B rows: the eager gather is exact
+        logits = self._v("logits", B, t.vocab, dtype=np.float32)  # all B rows: the eager gather is exact
         self._head_launches(x, logits, d["am"], d["keys"], d["lse"], d["keys_out"])
 
     def capture_decode_graphs(self):

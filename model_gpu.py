@@ -400,11 +400,9 @@ class GpuModel(DecodeGraphs, StepTools):
 
     def _head_bufs(self, R, nk):
         """The head's outputs for R rows and nk readout keys: logits (R, vocab), argmax, lse and key logits."""
-        g = self.g
-        logits = g.view(self.ws["logits"], 0, (R, self.cfg.text.vocab), np.float32)
-        lse, ko = (self._v("lse", R, dtype=np.float32), g.view(self.ws["keys_out"], 0, (R, nk), np.float32)) if nk \
-            else (None, None)
-        return logits, self._v("am", R, dtype=np.int32), lse, ko
+        f32 = np.float32
+        lse, ko = (self._v("lse", R, dtype=f32), self._v("keys_out", R, nk, dtype=f32)) if nk else (None, None)
+        return self._v("logits", R, self.cfg.text.vocab, dtype=f32), self._v("am", R, dtype=np.int32), lse, ko
 
     def _head_run(self, sel, kd, R, nk):
         """The head's launches on the R rows of ws["x"] that sel (int32, on the device) names, reading out the nk
