@@ -321,8 +321,8 @@ class GPU:
         out = np.empty(a.shape, a.dtype) if out is None else out
         if not out.flags.c_contiguous or out.nbytes != a.nbytes:
             raise ValueError(f"download of {a} into a host array of {out.nbytes} bytes")
-        if a.nbytes:
-            check(cu.cuMemcpyDtoHAsync(out.ctypes.data, a.ptr, a.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        if a.nbytes:   # blocked: into pageable memory the driver returns once the stream has run up to the copy
+            self._blocked(cu.cuMemcpyDtoHAsync, out.ctypes.data, a.ptr, a.nbytes, self.stream)
         self.sync()
         return out
 
@@ -341,13 +341,13 @@ class GPU:
         self.join()
         self._blocked(cu.cuStreamSynchronize, self.main_stream)
 
-    def _blocked(self, call, handle):
+    def _blocked(self, call, *args):
         """A driver call that blocks the host until the GPU gets somewhere, its time added to wait_s: what a
         step's wall time less its wait_s leaves is the host's own part (GpuModel.gpu_wait_s, the engine's
         step_gpu_wait_ms)."""
         t0 = time.perf_counter()
         try:
-            check(call(handle), call.__name__)
+            check(call(*args), call.__name__)
         finally:
             self.wait_s += time.perf_counter() - t0
 

@@ -5331,9 +5331,9 @@ def test_gpu_wait_s_is_the_host_blocked_on_the_gpu(graph_pair, monkeypatch):
     blocked = []
 
     def timed(f):
-        def wrapped(call, handle):
+        def wrapped(call, *args):
             t0 = time.perf_counter()
-            f(call, handle)
+            f(call, *args)
             blocked.append(time.perf_counter() - t0)
         return wrapped
 
@@ -5346,6 +5346,28 @@ def test_gpu_wait_s_is_the_host_blocked_on_the_gpu(graph_pair, monkeypatch):
         on.step(batch)
         wall, waited = time.perf_counter() - t0, on.gpu_wait_s - w0
         assert blocked and 0 < waited <= sum(blocked) <= wall, (waited, blocked, wall)
+
+
+@needs_gpu
+def test_gpu_download_counts_its_wait(g):
+    """A download into a pageable host array (the prompt head's reads) returns from the copy only once the stream
+    has run up to it: the time the copy waits on queued work is blocked time (wait_s), not the host's own."""
+    rng = np.random.default_rng(23)
+    n = 256 << 20
+    a, b = g.upload(rng.integers(0, 256, n, dtype=np.uint8)), g.empty((n,), np.uint8)
+    want = rng.integers(0, 256, 4096, dtype=np.uint8)
+    small = g.upload(want)
+    g.sync()
+    for _ in range(20):                                  # 40 copies of 256 MiB queued: ~20 GiB of traffic, > 2 ms
+        g.copy(b, a)
+        g.copy(a, b)
+    w0, t0 = g.wait_s, time.perf_counter()
+    got = g.download(small)
+    wall, waited = time.perf_counter() - t0, g.wait_s - w0
+    assert np.array_equal(got, want)
+    assert wall > 2e-3 and waited > 0.9 * wall, (wall, waited)
+    for x in (a, b, small):
+        g.free(x)
 
 
 @needs_gpu
