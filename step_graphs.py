@@ -1,21 +1,24 @@
 """Prompt steps as CUDA-graph replays: OFF by default (SPAN02_STEP_GRAPHS=N keeps up to N graphs).
 
-An eager step (model_gpu.GpuModel.step for anything but a pure decode step) issues ~363 launches from Python, several
-ms of host time; a 512-token readout step takes ~15 ms on the GPU, so a host running at about half speed would make
-that step wait on its launches (a candidate cause of the server readouts' swings, not established: BENCHMARKS.md,
-forty-eighth session). The launches of a step depend only on its shape: every
-sequence's token count, start, block-table length, argmax / readout flags, the number of readout keys (recorded
-launch by launch, argument values included, with a stand-in driver: the same shape with other tokens and block
-tables gives the same launches). Its data (tokens, positions, tables, head rows, keys) comes through the step's input
-buffer, uploaded before the launches. So a graph captured for a shape can stand in for the launches of every later
-step of that shape: one graph launch instead of ~363.
+An eager step (model_gpu.GpuModel.step for anything but a pure decode step) issues ~372 launches from Python. On the
+H200's host a 512-token readout step's host part is as long as its GPU part: 14.96 ms of host time (2.8 ms of it in
+the driver's launch calls) in a 15.28-ms step, 0.32 ms blocked on the GPU (a 508-token step's kernels sum to
+15.0 ms; BENCHMARKS.md, forty-ninth session). So a slower host lengthens that step one for one (the server
+readouts' swings).
+
+The launches of a step depend only on its shape: every sequence's token count, start, block-table length, argmax /
+readout flags, the number of readout keys (recorded launch by launch, argument values included, with a stand-in
+driver: the same shape with other tokens and block tables gives the same launches). Its data (tokens, positions,
+tables, head rows, keys) comes through the step's input buffer, uploaded before the launches. So a graph captured for
+a shape can stand in for the launches of every later step of that shape: one graph launch instead of ~372.
 
 The first step of a shape runs eagerly (it also loads the modules and sets the kernels' attributes, so that nothing
 but launches happens in a capture); the second is captured, then replayed; later ones replay. Shapes are kept in LRU
 order, `keep` at most. A capture that fails or allocates device memory is our bug: RuntimeError.
 
-Not yet run on the GPU (forty-eighth session: written after the session's device time was spent). Until the GPU
-tests (test_gpu_step_graphs_*) and a readout A/B have run, it stays off.
+Measured (H200, forty-ninth session): the GPU tests (test_gpu_step_graphs_*) pass. With 8 graphs the engine's
+replayed 512-token readouts took 15.2-15.3 ms against ~16.1 eager, but the server's readouts were slower (HTTP medians
+16.85 and 17.15 ms against 15.96): each capture took its readout to ~32 ms, 4 of 15. So it stays off.
 """
 from __future__ import annotations
 
