@@ -249,7 +249,7 @@ class GPU:
         self.side_stream = None            # made by the first branch()
         self._fork_ev = self._join_ev = None
         self._joined = True                # no side work the main stream has not waited for
-        self.wait_s = 0.0                  # host seconds spent blocked on the GPU so far (sync, wait, elapsed_ms)
+        self.wait_s = 0.0                  # host seconds blocked on the GPU so far (sync, wait, elapsed_ms, download)
 
     check = staticmethod(check)
 
