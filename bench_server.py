@@ -8,7 +8,9 @@
                   request sent to response read). Median of `--readout-repeats` distinct stems after one warm-up.
                   With them, from the server's /metrics over the timed requests: readout_steps, readout_step_ms
                   (their mean) and on the GPU readout_step_host_ms (the mean part the host was not blocked on the
-                  GPU: close to readout_step_ms, the readout was bound by the host's launches).
+                  GPU: close to readout_step_ms, the readout was bound by the host's launches); and per request,
+                  read between requests, readout_steps_ms_each (its steps' total ms) and on the GPU
+                  readout_steps_host_ms_each (their host part): which of a slow readout's parts grew.
     decisions_s   the standard workload: N requests of 4 questions (300-token context shared by a request's
                   questions, ~60 tokens and 4 choices per question), policy tau 0.8 / cap 256, no deadline, all
                   sent at once by a local client (one thread and one connection per request), default serving
@@ -228,10 +230,10 @@ def readout_stem_request(prompter, stem_tokens, i):
 
 def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
     """readout figures (module docstring) from 1 warm-up + `repeats` requests with distinct stems, one at a time."""
-    rows, before = [], None
+    rows, sums = [], []
     for i in range(repeats + 1):
-        if i == 1:                                       # the engine's step series after the warm-up
-            before = metric_sums(port, STEP_SERIES)
+        if i:                                            # the engine's step series before each timed request
+            sums.append(metric_sums(port, STEP_SERIES))
         body = readout_stem_request(prompter, stem_tokens, i)
         t0 = time.perf_counter()
         status, out = http_call(port, "POST", "/v1/systemone", body, timeout=timeout)
@@ -247,21 +249,31 @@ def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
     r = {"readout_ms": round(float(np.median(a[:, 0])), 2), "readout_stage_ms": round(float(np.median(a[:, 1])), 2),
          "readout_wall_ms": round(float(np.median(a[:, 2])), 2), "readout_stem_tokens": int(a[0, 3]),
          "readout_repeats": repeats, "readout_ms_each": [round(float(x), 2) for x in a[:, 0]]}
-    return {**r, **_step_split(before, metric_sums(port, STEP_SERIES))}
+    sums.append(metric_sums(port, STEP_SERIES))
+    each = [_step_totals(b, e) for b, e in zip(sums, sums[1:])]
+    r["readout_steps_ms_each"] = [round(step_s * 1e3, 2) for _, step_s, _ in each]
+    if all(wait_s is not None for *_, wait_s in each):
+        r["readout_steps_host_ms_each"] = [round((step_s - wait_s) * 1e3, 2) for _, step_s, wait_s in each]
+    return {**r, **_step_split(sums[0], sums[-1])}
+
+
+def _step_totals(before, after):
+    """(steps, their seconds, the seconds of them blocked on the GPU or None off the GPU) between two metric_sums."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_SERIES}
+    wait = d["span02_step_gpu_wait_seconds_sum"] if "span02_step_gpu_wait_seconds_sum" in after else None
+    return int(round(d["span02_step_seconds_count"])), d["span02_step_seconds_sum"], wait
 
 
 def _step_split(before, after):
     """The engine's steps between two metric_sums: readout_steps, readout_step_ms (their mean wall time) and,
     on a GPU server, readout_step_host_ms (the mean part of it the host did not spend blocked on the GPU: near
     readout_step_ms, the steps were bound by the host's launches, not the GPU)."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_SERIES}
-    n = int(round(d["span02_step_seconds_count"]))
+    n, step_s, wait_s = _step_totals(before, after)
     if not n:
         return {"readout_steps": 0}
-    out = {"readout_steps": n, "readout_step_ms": round(d["span02_step_seconds_sum"] / n * 1e3, 2)}
-    if "span02_step_gpu_wait_seconds_sum" in after:
-        out["readout_step_host_ms"] = round((d["span02_step_seconds_sum"] - d["span02_step_gpu_wait_seconds_sum"])
-                                            / n * 1e3, 2)
+    out = {"readout_steps": n, "readout_step_ms": round(step_s / n * 1e3, 2)}
+    if wait_s is not None:
+        out["readout_step_host_ms"] = round((step_s - wait_s) / n * 1e3, 2)
     return out
 
 

@@ -6170,17 +6170,51 @@ def test_help():
     assert p.returncode == 0 and "--context" in p.stdout
 
 
+def test_measure_readout_splits_each_request(monkeypatch):
+    """bench_server.measure_readout reads the engine's step series before each timed request and after the last:
+    per request its steps' total ms and, where the server reports GPU waits, their host part; over all of them
+    the mean step and its mean host part. The warm-up request is outside every figure."""
+    rng = np.random.default_rng(31)
+    n = 4
+    steps = rng.integers(1, 4, n)                                   # each request's engine steps
+    step_s, wait_s = rng.uniform(0.01, 0.03, n), rng.uniform(0.0, 0.005, n)
+    cum = lambda v: np.concatenate([[0.0], np.cumsum(v)]) + 7.0     # the series' running sums (a server up a while)
+    series = [{"span02_step_seconds_sum": a, "span02_step_seconds_count": c, "span02_step_gpu_wait_seconds_sum": w}
+              for a, c, w in zip(cum(step_s), cum(steps), cum(wait_s))]
+    reads = iter(series)
+    monkeypatch.setattr(bench_server, "metric_sums", lambda port, names: next(reads))
+    monkeypatch.setattr(bench_server, "readout_stem_request", lambda prompter, tokens, i: {"i": i})
+    answer = {"ms": 20.0, "stop": "gate", "trace": [{"stage": "readout", "ms": 18.0}]}
+    monkeypatch.setattr(bench_server, "http_call",
+                        lambda *a, **k: (200, {"answers": [answer], "usage": {"prompt_tokens": 510}}))
+    r = bench_server.measure_readout(0, None, repeats=n)
+    assert next(reads, None) is None                                # n + 1 reads: before each request, after the last
+    assert r["readout_steps_ms_each"] == [round(x * 1e3, 2) for x in step_s]
+    assert r["readout_steps_host_ms_each"] == [round((x - w) * 1e3, 2) for x, w in zip(step_s, wait_s)]
+    assert r["readout_steps"] == steps.sum() and r["readout_step_ms"] == round(step_s.sum() / steps.sum() * 1e3, 2)
+    assert r["readout_step_host_ms"] == round((step_s.sum() - wait_s.sum()) / steps.sum() * 1e3, 2)
+    for d in series:                                                # a CPU server: no GPU waits, no host parts
+        del d["span02_step_gpu_wait_seconds_sum"]
+    reads = iter(series)
+    r = bench_server.measure_readout(0, None, repeats=n)
+    assert "readout_steps_host_ms_each" not in r and "readout_step_host_ms" not in r
+    assert r["readout_steps_ms_each"] == [round(x * 1e3, 2) for x in step_s]
+
+
 def test_server_figures_on_demo_cpu(server_pids):
-    r = bench_server.server_figures(DEMO, device="cpu", requests=4, cap=4, readout_repeats=1, kv_tokens=16384,
+    r = bench_server.server_figures(DEMO, device="cpu", requests=4, cap=4, readout_repeats=2, kv_tokens=16384,
                                     log=lambda *a: None)
     assert len(server_pids) == 2 and all(_gone(p) for p in server_pids)
     assert r["server_exit_serial"] == 0 and r["server_exit_default"] == 0
     assert 0 < r["load_s"] < 60 and 0 < r["load_s_second"] < 60
     assert 0 < r["readout_stage_ms"] <= r["readout_ms"] <= r["readout_wall_ms"]
-    assert 480 <= r["readout_stem_tokens"] <= 512 and r["readout_repeats"] == 1
-    # the engine's steps inside the timed readout, from /metrics; the CPU model has no GPU wait to report
-    assert r["readout_steps"] >= 1 and 0 < r["readout_steps"] * r["readout_step_ms"] <= r["readout_ms"] + 0.01
-    assert "readout_step_host_ms" not in r
+    assert 480 <= r["readout_stem_tokens"] <= 512 and r["readout_repeats"] == 2
+    # the engine's steps inside the timed readouts, from /metrics; the CPU model has no GPU wait to report
+    assert r["readout_steps"] >= 2 and 0 < r["readout_steps"] * r["readout_step_ms"] <= sum(r["readout_ms_each"]) + 0.02
+    assert "readout_step_host_ms" not in r and "readout_steps_host_ms_each" not in r
+    each = r["readout_steps_ms_each"]                        # per request, read between requests: they add up
+    assert len(each) == r["readout_repeats"] and all(0 < x <= y + 0.01 for x, y in zip(each, r["readout_ms_each"]))
+    assert sum(each) == pytest.approx(r["readout_steps"] * r["readout_step_ms"], abs=0.02 * len(each))
     assert r["decisions_requests"] == 4 and r["decisions_questions"] == 16 and r["decisions_errors"] == 0
     assert r["decisions_s"] > 0 and 0 < r["decisions_p50_ms"] <= r["decisions_p99_ms"]
     assert r["decisions_p99_ms"] <= r["decisions_wall_s"] * 1e3 + 5.1     # wall_s is rounded to 10 ms
