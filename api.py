@@ -322,7 +322,8 @@ ENGINE_COUNTERS = {"answers": ("span02_answers_total", "stop"), "requests": ("sp
                    "prompt_tokens": ("span02_prompt_tokens_total", None),
                    "cached_tokens": ("span02_cached_tokens_total", None),
                    "reasoning_tokens": ("span02_reasoning_tokens_total", None),
-                   "images": ("span02_images_total", None), "steps": ("span02_steps_total", None)}
+                   "images": ("span02_images_total", None), "steps": ("span02_steps_total", None),
+                   "prompt_step_replays": ("span02_prompt_step_replays_total", None)}
 
 
 def _esc(v):

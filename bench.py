@@ -6,7 +6,8 @@
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
    eager): decode_b1 / b16 / b64 and b128 (the server's largest batch) (+ step_ms_b*) with ~1k context, prefill_2k
-   (and prefill_2k_sustained: see time_prefill), weights_gib (and w16_kept_gib, the part of it that is bf16
+   (and prefill_2k_sustained: see time_prefill; prefill_2k_eager: the same with no step plan, every step's launches
+   from Python), weights_gib (and w16_kept_gib, the part of it that is bf16
    copies), load_model_s (model construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host
    syncs per decode step, five decisions through one engine without HTTP (readout_ms_engine: their median, and
    each; decision_wall_ms), and, when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel
@@ -16,7 +17,7 @@
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it (and, from /metrics, readout_steps,
    readout_step_ms and readout_step_host_ms: the readouts' steps and the host's own part of them; per request
-   readout_steps_ms_each and readout_steps_host_ms_each), and the standard workload (--requests N of 4 questions,
+   readout_steps_ms_each, readout_steps_host_ms_each and readout_replays_each), and the standard workload (--requests N of 4 questions,
    tau 0.8, cap --cap, default serving mode): decisions_s, decisions_p50_ms, decisions_p99_ms and what was run
    (decisions_requests, decisions_questions, decisions_errors, decisions_stops, ...).
 3. --peer (bench_peer.py, a subprocess: torch and transformers never enter this process): the step figures through
@@ -329,6 +330,13 @@ def model_figures(ckpt_dir, profile=True, log=print):
         r["prefill_2k"], r["prefill_2k_sustained"] = round(2048 / single, 0), round(2048 / sustained, 0)
         log(f"prefill 2k: {r['prefill_2k']:.0f} tok/s one prompt at a time ({r['prefill_2k_sustained']:.0f} back to "
             f"back)")
+        if getattr(m, "step_plans", None) is not None:      # the same prompt with no plan: every step eager
+            keep, m.step_plans.keep = m.step_plans.keep, 0
+            try:
+                r["prefill_2k_eager"] = round(2048 / time_prefill(m, ids, tab)[0], 0)
+            finally:
+                m.step_plans.keep = keep
+            log(f"prefill 2k with every step eager (no step plan): {r['prefill_2k_eager']:.0f} tok/s")
         # b128 last, so that prefill_2k follows the same work as before b128 was added. Run before it (thirty-second
         # session), its ~3 s at full power preceded prefill_2k figures of 49,725 / 49,698 tok/s, against 50,051 /
         # 50,216 in a process that ran no decode before (the same machine, another call); not A/B-tested further.
@@ -336,8 +344,8 @@ def model_figures(ckpt_dir, profile=True, log=print):
         r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
         r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
         r.update(decide(m, ckpt_dir))
-        if getattr(m, "step_graphs", None) is not None and m.step_graphs.keep:   # SPAN02_STEP_GRAPHS=N
-            r["step_graphs"] = dict(m.step_graphs.stats, keep=m.step_graphs.keep)
+        if getattr(m, "step_plans", None) is not None:
+            r["step_plans"] = dict(m.step_plans.stats, keep=m.step_plans.keep)
         if profile:
             r.update(kernel_figures(m, log=log))
     finally:

@@ -10,7 +10,8 @@
                   (their mean) and on the GPU readout_step_host_ms (the mean part the host was not blocked on the
                   GPU: close to readout_step_ms, the readout was bound by the host's launches); and per request,
                   read between requests, readout_steps_ms_each (its steps' total ms) and on the GPU
-                  readout_steps_host_ms_each (their host part): which of a slow readout's parts grew.
+                  readout_steps_host_ms_each (their host part): which of a slow readout's parts grew; and
+                  readout_replays_each (its steps replayed from the plan of an earlier step's shape, step_plans.py).
     decisions_s   the standard workload: N requests of 4 questions (300-token context shared by a request's
                   questions, ~60 tokens and 4 choices per question), policy tau 0.8 / cap 256, no deadline, all
                   sent at once by a local client (one thread and one connection per request), default serving
@@ -181,7 +182,8 @@ def metric_sums(port, names, timeout=30.0):
     return out
 
 
-STEP_SERIES = ("span02_step_seconds_sum", "span02_step_seconds_count", "span02_step_gpu_wait_seconds_sum")
+STEP_SERIES = ("span02_step_seconds_sum", "span02_step_seconds_count", "span02_step_gpu_wait_seconds_sum",
+               "span02_prompt_step_replays_total")
 
 
 def _text(prompter, n_tokens, rng, lead=""):
@@ -254,6 +256,9 @@ def measure_readout(port, prompter, stem_tokens=512, repeats=5, timeout=120.0):
     r["readout_steps_ms_each"] = [round(step_s * 1e3, 2) for _, step_s, _ in each]
     if all(wait_s is not None for *_, wait_s in each):
         r["readout_steps_host_ms_each"] = [round((step_s - wait_s) * 1e3, 2) for _, step_s, wait_s in each]
+    replays = "span02_prompt_step_replays_total"
+    if all(replays in d for d in sums):                  # steps replayed from the plan of their shape (GPU)
+        r["readout_replays_each"] = [int(round(e[replays] - b[replays])) for b, e in zip(sums, sums[1:])]
     return {**r, **_step_split(sums[0], sums[-1])}
 
 

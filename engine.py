@@ -144,7 +144,8 @@ class Engine:
         "running_seqs", "kv_used" (share of blocks), "kv_capacity_tokens", "prefix_cache_hit_ratio"
         (gauges); "step_ms", "batch" (rows per step) and, on a GPU model, "step_gpu_wait_ms" (the part of each
         step the host spent blocked on the GPU; step_ms less it is the host's own part): histograms {"le": [...],
-        "counts": cumulative [...] per le (+Inf = count), "sum": f, "count": n}."""
+        "counts": cumulative [...] per le (+Inf = count), "sum": f, "count": n}; on a GPU model also
+        "prompt_step_replays" (counter: prompt steps replayed from the plan of their shape, step_plans.py)."""
         with self.lock:
             m, g = self.m, self.gauges
             return {"answers": dict(m["answers"]), "requests": dict(m["requests"]),
@@ -155,7 +156,9 @@ class Engine:
                     "prefix_cache_hit_ratio": g["hit_tokens"] / g["lookup_tokens"] if g["lookup_tokens"] else 0.0,
                     "step_ms": m["step_ms"].snapshot(), "batch": m["batch"].snapshot(),
                     **({"step_gpu_wait_ms": m["step_gpu_wait_ms"].snapshot()}
-                       if hasattr(self.model, "gpu_wait_s") else {})}
+                       if hasattr(self.model, "gpu_wait_s") else {}),
+                    **({"prompt_step_replays": self.model.step_plans.stats["replays"]}
+                       if hasattr(self.model, "step_plans") else {})}
 
     # --- the engine thread -------------------------------------------------------------------------
     def _run(self):

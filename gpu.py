@@ -10,6 +10,10 @@ must never vanish behind its back through garbage collection.
     g = GPU(); x = g.upload(np_array); f = g.module("elementwise").function("rmsnorm_bf16")
     g.launch(f, grid=(T, 1, 1), block=(256, 1, 1), args=[out, x, None, T, 2816, 1e-6])
     g.capture_begin(); ...launches...; graph = g.capture_end(); graph.replay(); y = g.download(out)
+
+A Plan is the lighter replay: `plan = g.record_plan(body)` runs body's launches as they are and records the
+driver calls they made (parameters copied); `g.replay_plan(plan)` makes those calls again, without body's host code
+(step_plans.py: the prompt steps of a shape seen before).
 """
 import contextlib
 import ctypes
@@ -203,9 +207,8 @@ def _layout(args):
     return lay
 
 
-def kernel_params(args):
-    """The void** kernelParams address of `args` (see _SLOT): valid until the next call with the same argument
-    layout in this thread."""
+def _packed(args):
+    """args' layout (_layout), their values packed into its buffer."""
     lay = _layouts.by_types.get(tuple(map(type, args))) or _layout(args)
     try:                                               # struct takes each value as _arg would give it
         lay[0].pack_into(lay[1], 0, *[a.ptr if type(a) is DeviceArray else 0 if a is None else a for a in args])
@@ -213,7 +216,50 @@ def kernel_params(args):
         for a in args:
             _arg(a)                                    # an int beyond int32 raises its own error here
         raise
-    return lay[3]
+    return lay
+
+
+def kernel_params(args):
+    """The void** kernelParams address of `args` (see _SLOT): valid until the next call with the same argument
+    layout in this thread."""
+    return _packed(args)[3]
+
+
+class Plan:
+    """The stream operations of a piece of host code, recorded by GPU.record_plan as the driver calls it made
+    (kernel launches with their parameters copied, device copies and fills, event records and waits between the
+    streams), to be made again, in the same order with the same arguments, by GPU.replay_plan: the same work on
+    the GPU without the host code that decided it. `void` says why a recording cannot be replayed (it made a call
+    that is not a stream operation: an allocation, a host copy, a wait on the GPU), None when it can."""
+
+    def __init__(self):
+        self.ops = []                   # (driver function, its arguments): a launch's kernelParams set by _finish
+        self.launches, self.void = 0, None
+        self.joined = True              # GPU._joined after the recording: a replay leaves it so
+        self._values = []               # each launch's packed values (bytes), in launch order
+        self._where = []                # each launch's (index in ops, index of kernelParams in its arguments)
+
+    def launch(self, call, args, k, lay):
+        """Record a launch: `call(*args)` with the kernelParams at args[k] (a list) made from what `lay`
+        (gpu._layout) holds now: its values are copied here (~0.5 us), given their address by _finish."""
+        self._values.append(lay[1].raw[:lay[0].size])
+        self._where.append((len(self.ops), k))
+        self.ops.append((call, args))
+        self.launches += 1
+
+    def _finish(self):
+        """Every launch's values in one buffer, their addresses (the void** arrays) in one array, each launch's
+        kernelParams set to its own: one pass after the recording."""
+        sizes = np.fromiter(map(len, self._values), np.int64, len(self._values))
+        self._data = np.frombuffer(b"".join(self._values) or b"\0", np.uint8).copy()
+        n = sizes // 8                                          # a launch's 8-byte slots
+        first = np.concatenate([[0], np.cumsum(n)])             # its first slot's index among all
+        starts = self._data.ctypes.data + np.concatenate([[0], np.cumsum(sizes)])[:-1]
+        self._slots = np.zeros(max(int(first[-1]), 1), np.uint64)
+        self._slots[:first[-1]] = np.repeat(starts, n) + 8 * (np.arange(first[-1]) - np.repeat(first[:-1], n))
+        for (j, k), address in zip(self._where, (self._slots.ctypes.data + 8 * first[:-1]).tolist()):
+            self.ops[j][1][k] = address
+        self._values = self._where = None
 
 
 class GPU:
@@ -237,6 +283,7 @@ class GPU:
         self._live = {}                    # ptr -> nbytes of every allocation not yet freed
         self._pinned = []                  # page-locked host allocations (host_empty), freed by close
         self._capture_launches = None      # kernel launches since capture_begin, None when not capturing
+        self._plan = None                  # the Plan being recorded (record_plan), None when not recording
         self.launch_hook = None            # called after each launch (profiling), see launch()
         self.pdl = os.environ.get("SPAN02_PDL", "1") != "0"    # programmatic dependent launch where asked
         self._pdl_attr = cu.CUlaunchAttribute()
@@ -269,6 +316,7 @@ class GPU:
 
     def empty(self, shape, dtype):
         """An uninitialised buffer (poison it with fill(a, 0xFF) in tests)."""
+        self._not_planned("an allocation")
         shape, nbytes = _shape_bytes(shape, dtype)
         p = int(check(cu.cuMemAlloc(max(nbytes, 1)), f"cuMemAlloc {nbytes} bytes"))
         self._live[p] = nbytes
@@ -278,6 +326,7 @@ class GPU:
         """An uninitialised page-locked (pinned) host array, alive until close(). Copies from and into it are DMA'd
         as they stand, without the driver's staging of pageable memory, so an upload from it runs later: do not
         rewrite what it uploads before the copy has run (wait on an event recorded after it)."""
+        self._not_planned("a host allocation")
         shape, nbytes = _shape_bytes(shape, dtype)
         p = int(check(cu.cuMemHostAlloc(max(nbytes, 1), 0), f"cuMemHostAlloc {nbytes} bytes"))
         self._pinned.append(p)
@@ -285,6 +334,7 @@ class GPU:
         return np.frombuffer(raw, np.uint8, nbytes).view(dtype).reshape(shape)
 
     def free(self, a):
+        self._not_planned("a free")
         if a.base is not None:
             raise ValueError("free of a view: free its base")
         copy = self.w16_cache.pop(a.ptr, None)             # FP8 weights' kept bf16 copy goes with them
@@ -307,6 +357,7 @@ class GPU:
         """Copy a host array to a new buffer, or into `out` (same nbytes). Asynchronous on the stream: the
         driver stages pageable memory before returning, so `array` may be dropped at once; a pinned one
         (host_empty) is read when the copy runs."""
+        self._not_planned("an upload")
         array = np.ascontiguousarray(array)
         if out is None:
             out = self.empty(array.shape, array.dtype)
@@ -331,11 +382,11 @@ class GPU:
         nbytes = src.nbytes if nbytes is None else nbytes
         if nbytes > min(src.nbytes, dst.nbytes):
             raise ValueError(f"copy of {nbytes} bytes from {src} to {dst}")
-        check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, self.stream), "cuMemcpyDtoDAsync")
+        self._stream_op(cu.cuMemcpyDtoDAsync, dst.ptr, src.ptr, nbytes, self.stream)
 
     def fill(self, a, byte):
         """Set every byte of `a` to `byte` (0xFF poisons bf16/f32 to NaN)."""
-        check(cu.cuMemsetD8Async(a.ptr, int(byte) & 0xFF, a.nbytes, self.stream), "cuMemsetD8Async")
+        self._stream_op(cu.cuMemsetD8Async, a.ptr, int(byte) & 0xFF, a.nbytes, self.stream)
 
     def sync(self):
         self.join()
@@ -345,11 +396,54 @@ class GPU:
         """A driver call that blocks the host until the GPU gets somewhere, its time added to wait_s: what a
         step's wall time less its wait_s leaves is the host's own part (GpuModel.gpu_wait_s, the engine's
         step_gpu_wait_ms)."""
+        self._not_planned(f"a wait on the GPU ({call.__name__})")
         t0 = time.perf_counter()
         try:
             check(call(*args), call.__name__)
         finally:
             self.wait_s += time.perf_counter() - t0
+
+    def _stream_op(self, call, *args):
+        """A driver call that queues work on a stream (copy, fill, event record / wait): recorded into the plan."""
+        check(call(*args), call.__name__)
+        if self._plan is not None:
+            self._plan.ops.append((call, args))
+
+    def _not_planned(self, what):
+        """A call that is no stream operation: a plan being recorded cannot replay it (Plan.void)."""
+        if self._plan is not None and self._plan.void is None:
+            self._plan.void = what
+
+    # --- plans -----------------------------------------------------------------------------------------
+    def record_plan(self, body):
+        """Run body() as it is, recording its stream operations: the Plan (see Plan; check its `void`). The last
+        branch is joined first, so that a replay starts from the state the recording started from."""
+        if self._plan is not None or self._capture_launches is not None:
+            raise RuntimeError("record_plan inside a recording or a capture")
+        self.join()
+        plan = self._plan = Plan()
+        try:
+            body()
+        finally:
+            self._plan = None
+        plan.joined = self._joined
+        if plan.void is None:
+            plan._finish()
+        return plan
+
+    def replay_plan(self, plan):
+        """Make a recorded plan's driver calls again, in order, with their recorded arguments (kernel parameters
+        included): its work, queued as record_plan's body queued it, with no host code between the calls."""
+        if plan.void is not None:
+            raise RuntimeError(f"replay of a plan that made {plan.void}")
+        self.join()
+        for call, args in plan.ops:
+            err = call(*args)
+            if (err[0] if type(err) is tuple else err) != _SUCCESS:
+                check(err, f"{call.__name__} (plan replay)")
+        self._joined = plan.joined
+        if self._capture_launches is not None:
+            self._capture_launches += plan.launches
 
     # --- kernels ---------------------------------------------------------------------------------------
     def module(self, name):
@@ -385,7 +479,8 @@ class GPU:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(f.handle, attr, shared), f"cuFuncSetAttribute {f.name} shared={shared}")
             f.max_shared = shared
-        params = kernel_params(args)
+        lay = _packed(args)
+        params = lay[3]
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         pdl = pdl and self.pdl and self.stream is self.main_stream
         if pdl:
@@ -408,6 +503,11 @@ class GPU:
                        f"block={block} shared={shared}{' (PDL)' if pdl else ''}")
         if self._capture_launches is not None:
             self._capture_launches += 1
+        if self._plan is not None:                         # the parameters copied, for the replay
+            if pdl:
+                self._plan.launch(cu.cuLaunchKernelEx, [cfg, f.handle, None, 0], 2, lay)
+            else:
+                self._plan.launch(cu.cuLaunchKernel, [f.handle, *grid, *block, shared, self.stream, None, 0], 9, lay)
         if self.launch_hook is not None:
             self.launch_hook(f.name, grid, block, nbytes, flops)
 
@@ -433,8 +533,8 @@ class GPU:
             self.side_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
             flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._fork_ev, self._join_ev = (check(cu.cuEventCreate(flags), "cuEventCreate") for _ in range(2))
-        check(cu.cuEventRecord(self._fork_ev, self.main_stream), "cuEventRecord (fork)")
-        check(cu.cuStreamWaitEvent(self.side_stream, self._fork_ev, 0), "cuStreamWaitEvent (fork)")
+        self._stream_op(cu.cuEventRecord, self._fork_ev, self.main_stream)
+        self._stream_op(cu.cuStreamWaitEvent, self.side_stream, self._fork_ev, 0)
         self.stream = self.side_stream
         try:
             yield
@@ -445,14 +545,15 @@ class GPU:
         """The main stream waits for the work of the last branch (a no-op when there is none to wait for)."""
         if self._joined:
             return
-        check(cu.cuEventRecord(self._join_ev, self.side_stream), "cuEventRecord (join)")
-        check(cu.cuStreamWaitEvent(self.main_stream, self._join_ev, 0), "cuStreamWaitEvent (join)")
+        self._stream_op(cu.cuEventRecord, self._join_ev, self.side_stream)
+        self._stream_op(cu.cuStreamWaitEvent, self.main_stream, self._join_ev, 0)
         self._joined = True
 
     # --- graphs and events -----------------------------------------------------------------------------
     def capture_begin(self, global_mode=False):
         """Start recording the stream's work into a graph. Thread-local mode by default: other threads may keep
         using the driver (the HTTP thread never does); global mode forbids unsafe calls in every thread."""
+        self._not_planned("a capture")
         mode = cu.CUstreamCaptureMode
         check(cu.cuStreamBeginCapture(self.stream, mode.CU_STREAM_CAPTURE_MODE_GLOBAL if global_mode
                                       else mode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
@@ -499,9 +600,9 @@ class GPU:
         then recorded at each replay, for timing); a plain record during capture only orders captured work."""
         if external:
             flag = cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
-            check(cu.cuEventRecordWithFlags(ev.handle, self.stream, flag), "cuEventRecordWithFlags")
+            self._stream_op(cu.cuEventRecordWithFlags, ev.handle, self.stream, flag)
         else:
-            check(cu.cuEventRecord(ev.handle, self.stream), "cuEventRecord")
+            self._stream_op(cu.cuEventRecord, ev.handle, self.stream)
 
     def wait(self, ev):
         """Block the host until the work before ev's last record has run (at once if it never was recorded)."""

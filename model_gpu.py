@@ -9,8 +9,8 @@ the layout of the CPU reference), and one workspace sized for `max_rows` rows pe
 views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
-Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer (or, with
-SPAN02_STEP_GRAPHS=N, a graph per step shape from a shape's second step on: step_graphs.py). A pure decode step
+Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer, recorded as the plan of
+the step's shape, whose later steps replay it without the Python (step_plans.py). A pure decode step
 (every sequence 1 token, no images, no full logits) is ONE CUDA-graph replay of its batch bucket, captured at load
 (decode_graphs.py, this class's mixin). The vision tower still runs on the CPU (numpy).
 
@@ -41,7 +41,7 @@ from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
 from decode_graphs import MAX_KEYS_OUT, DecodeGraphs
 from model import SeqOut, StepTools
-from step_graphs import StepGraphs
+from step_plans import StepPlans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
@@ -128,7 +128,7 @@ class GpuModel(DecodeGraphs, StepTools):
         self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
         self.decode_graphs, self.graph_launches, self._dec = {}, {}, {}    # per bucket B: Graph, launches, buffers
         self.decode_graph_steps = 0                                        # steps served by a replay
-        self.step_graphs = StepGraphs(g)                                   # prompt steps' (off by default)
+        self.step_plans = StepPlans(g)                                     # prompt steps' (step_plans.py)
         self.stats = {"launches_per_decode_step": {}, "host_syncs_per_decode_step": 1}
         if graphs:
             self.capture_decode_graphs()
@@ -221,10 +221,10 @@ class GpuModel(DecodeGraphs, StepTools):
             self._stack(T, pos, rows_seq, tab, sp, keep_v)
             if last:
                 self._head_run(sel, kd if keys else None, len(last), len(keys))
-        shape = None if n_img or any(s.logits for s in seqs) else (   # step_graphs' key: what the launches hang on
+        shape = None if n_img or any(s.logits for s in seqs) else (   # step_plans' key: what the launches hang on
             tuple((n, s.start, len(s.blocks), bool(s.argmax), bool(s.readout)) for s, n in zip(seqs, lens)),
             len(keys), keep is not None)
-        self.step_graphs.run(shape, launches)
+        self.step_plans.run(shape, launches)
         self.pruned_steps += keep is not None
         outs = [SeqOut() for _ in seqs]
         if last:
@@ -246,7 +246,7 @@ class GpuModel(DecodeGraphs, StepTools):
         (S, mb), spans (S, n_spans, 2) (image start, rows), keep (3, R) (_keep_rows; None when every row goes
         on), and the head's rows and readout keys. One copy in place of eight: on an idle GPU each of a step's
         first submissions costs ~0.1 ms, whatever it is (BENCHMARKS.md, thirty-first session); and a step's
-        graph (step_graphs) finds all its data in place."""
+        plan (step_plans) finds all its data in place."""
         g, T, S = self.g, offsets[-1], len(seqs)
         shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape]) + [
             (len(head_rows),), (len(head_keys),)]
@@ -517,7 +517,7 @@ class GpuModel(DecodeGraphs, StepTools):
         for graph in self.decode_graphs.values():
             graph.close()
         self.decode_graphs.clear()
-        self.step_graphs.close()
+        self.step_plans.close()
         self._dec.clear()
         self.inp_host = None
         self.g.close()

@@ -12,17 +12,19 @@ driver: the same shape with other tokens and block tables gives the same launche
 tables, head rows, keys) comes through the step's input buffer, uploaded before the launches. So the driver calls a
 step of a shape made can stand in for those of every later step of that shape.
 
-A shape's first step runs eagerly while gpu.GPU.record_plan records its stream operations (launches with their
-parameters, copies, the branches' event records and waits: gpu.Plan); every later step of the shape replays them
-(gpu.GPU.replay_plan): the same driver calls in the same order, the same kernels with the same arguments, so the same
-bytes, without the ~30 us of Python a launch that chose them. Plans are kept in LRU order, `keep` at most
-(SPAN02_STEP_PLANS, 0: every prompt step eager). A recording that made a call no plan can replay (an allocation, an
-upload, a wait on the GPU) is our bug: it is not kept and counts in stats["void"], which the tests check.
+A shape's first step runs eagerly; its second runs eagerly too while gpu.GPU.record_plan records its stream
+operations (launches with their parameters, copies, the branches' event records and waits: gpu.Plan); every later
+step of the shape replays them (gpu.GPU.replay_plan): the same driver calls in the same order, the same kernels with
+the same arguments, so the same bytes, without the ~30 us of Python a launch that chose them. The recording copies
+each launch's parameters (a few us of host time a launch), so a shape seen once costs nothing. Plans are kept in LRU
+order, `keep` at most (SPAN02_STEP_PLANS, 0: every prompt step eager). A recording that made a call no plan can
+replay (an allocation, an upload, a wait on the GPU) is our bug: it is not kept and counts in stats["void"], which
+the tests check.
 
 The decode steps do not come here: each is one CUDA-graph replay of its batch bucket (decode_graphs.py). Prompt steps
 as CUDA graphs were tried (forty-ninth session): a replayed 512-token step was ~0.8 ms faster than an eager one, but a
 capture (a shape's second step, eager host time and the graph's launch one after the other) took its readout to ~32
-ms, and the server's readouts were slower overall. A plan costs its first step nothing but the copies of its
+ms, and the server's readouts were slower overall. A plan costs the step that records it only the copies of its
 launches' parameters.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 from collections import OrderedDict
 
 STEP_PLANS = int(os.environ.get("SPAN02_STEP_PLANS", "64"))   # plans kept (LRU); 0: every prompt step eager
+SEEN_MAX = 4096                                                 # shapes remembered as seen once
 
 
 class StepPlans:
@@ -40,6 +43,7 @@ class StepPlans:
     def __init__(self, g, keep=STEP_PLANS):
         self.g, self.keep = g, keep
         self.plans: OrderedDict = OrderedDict()      # key -> gpu.Plan, least recently used first
+        self.seen: set = set()                       # keys whose first step ran (eagerly, unrecorded)
         self.stats = {"eager": 0, "recorded": 0, "replays": 0, "void": 0}
 
     def run(self, key, body):
@@ -54,8 +58,13 @@ class StepPlans:
             g.replay_plan(plan)
             self.stats["replays"] += 1
             return
-        plan = g.record_plan(body)
         self.stats["eager"] += 1
+        if key not in self.seen:
+            if len(self.seen) >= SEEN_MAX:
+                self.seen.clear()
+            self.seen.add(key)
+            return body()
+        plan = g.record_plan(body)
         if plan.void is not None:
             self.stats["void"] += 1
             return
@@ -66,3 +75,4 @@ class StepPlans:
 
     def close(self):
         self.plans.clear()
+        self.seen.clear()

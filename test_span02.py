@@ -5,6 +5,7 @@ import asyncio
 import base64
 import concurrent.futures
 import copy
+import ctypes
 import dataclasses
 import filecmp
 import gzip
@@ -1895,9 +1896,12 @@ class _WaitingModel(ModelProxy):
 
 def test_engine_step_gpu_wait_metric(demo_prompter):
     """A model with gpu_wait_s (as GpuModel has) puts each step's growth of it into step_gpu_wait_ms beside
-    step_ms, one observation a step, exported as span02_step_gpu_wait_seconds; a model without it exports none."""
+    step_ms, one observation a step, exported as span02_step_gpu_wait_seconds; a model without it exports none.
+    Likewise the replays of its step_plans (span02_prompt_step_replays_total)."""
     wait = 0.003
     m = _WaitingModel(random_model(), wait)
+    replays = int(np.random.default_rng(43).integers(1, 10**6))
+    m.step_plans = types.SimpleNamespace(stats={"replays": replays, "eager": 0})
     eng = Engine(m, demo_prompter, EngineConfig(model_dir="", max_len=512, prefill_chunk=32))
     eng.start()
     try:
@@ -1912,8 +1916,10 @@ def test_engine_step_gpu_wait_metric(demo_prompter):
     text = api.Metrics().render(0, snap)
     assert f"span02_step_gpu_wait_seconds_count {gw['count']}" in text
     assert 'span02_step_gpu_wait_seconds_bucket{le="0.005"}' in text
+    assert snap["prompt_step_replays"] == replays and f"span02_prompt_step_replays_total {replays}\n" in text
     plain = Engine(random_model(), demo_prompter, EngineConfig(model_dir="", max_len=512))
     assert "step_gpu_wait_ms" not in plain.metrics_snapshot()
+    assert "prompt_step_replays" not in plain.metrics_snapshot()
 
 
 def test_calibrate_table(demo_prompter):
@@ -3147,65 +3153,226 @@ def test_gpu_runtime_graph_replay(g):
     graph.close()
 
 
-class _FakeCaptureGpu:
-    """What step_graphs.StepGraphs asks of a gpu.GPU, as a log: capture begin / end, replays, closes, syncs; its
-    capture() is gpu.GPU's own."""
-    capture = gpu.GPU.capture
+class _StandInDriver(_RecordingDriver):
+    """_RecordingDriver with the rest of what gpu.GPU and a GpuModel ask of the driver, on no device: allocations
+    get fresh fake addresses, pinned host memory is real, modules and kernels are handles; the stream operations
+    (launches, copies, fills, event records and waits) are logged in `log` as made, a launch with its kernelParams
+    read back as bytes (`plan_slots`: the slot counts of the plans' kernelParams; gpu's layouts give the rest)."""
 
     def __init__(self):
-        self.allocated_bytes, self.log, self.capturing = 0, [], False
+        super().__init__()
+        self.log, self.plan_slots, self.host, self.top = [], {}, {}, 1 << 40
+        self.CUlaunchConfig = self.CUlaunchAttribute = _Struct
 
-    def capture_begin(self):
-        self.capturing = True
-        self.log.append("begin")
+    def cuMemAlloc(self, n):
+        p, self.top = self.top, self.top + (n + 4095) // 4096 * 4096
+        return self._ok(p)
 
-    def capture_end(self):
-        self.capturing = False
-        n = sum(1 for e in self.log if e == "begin")
-        self.log.append("end")
-        return types.SimpleNamespace(replay=lambda: self.log.append(f"replay{n}"),
-                                     close=lambda: self.log.append(f"close{n}"))
+    def cuMemFree(self, p): return self._ok()
+    def cuMemGetInfo(self): return self._ok(8 << 30, 8 << 30)
+    def cuMemcpyHtoDAsync(self, d, h, n, s): return self._ok()
+    def cuMemcpyDtoHAsync(self, h, d, n, s): return self._ok()
+    def cuEventSynchronize(self, e): return self._ok()
+    def cuModuleLoadDataEx(self, image, n, opts, vals): return self._ok(self._new("module"))
+    def cuModuleGetFunction(self, m, name): return self._ok(self._new("kernel"))
+    def cuModuleUnload(self, m): return self._ok()
+    def cuFuncSetAttribute(self, f, a, v): return self._ok()
+    def cuStreamSynchronize(self, s): return self._ok()
+    def cuMemcpyDtoDAsync(self, *a): return self._op("cuMemcpyDtoDAsync", a)
+    def cuMemsetD8Async(self, *a): return self._op("cuMemsetD8Async", a)
+    def cuEventRecord(self, *a): return self._op("cuEventRecord", a)
+    def cuEventRecordWithFlags(self, *a): return self._op("cuEventRecordWithFlags", a)
+    def cuStreamWaitEvent(self, *a): return self._op("cuStreamWaitEvent", a)
+    def cuLaunchKernel(self, *a): return self._op("cuLaunchKernel", a)
+    def cuLaunchKernelEx(self, *a): return self._op("cuLaunchKernelEx", a)
 
-    def sync(self):
-        self.log.append("sync")
+    def cuDeviceGetAttribute(self, a, d):
+        at = self.real.CUdevice_attribute
+        return self._ok({at.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+                         at.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132}.get(a, 0))
+
+    def cuFuncGetAttribute(self, a, f):
+        return self._ok(1024 if a == self.real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK else 0)
+
+    def cuMemHostAlloc(self, n, flags):
+        buf = ctypes.create_string_buffer(max(n, 1))
+        self.host[ctypes.addressof(buf)] = buf
+        return self._ok(ctypes.addressof(buf))
+
+    def cuMemFreeHost(self, p):
+        self.host.pop(p, None)
+        return self._ok()
+
+    def _op(self, name, args):
+        args = list(args)
+        if name.startswith("cuLaunchKernel"):
+            i = 9 if name == "cuLaunchKernel" else 2
+            n = self._params_len(args[i])
+            slots = (ctypes.c_void_p * n).from_address(args[i])
+            args[i] = b"".join(ctypes.string_at(slots[k], 8) for k in range(n))
+            if name == "cuLaunchKernelEx":
+                c = args[0]
+                args[0] = (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
+                           c.sharedMemBytes, c.hStream)
+        self.log.append((name, tuple(args)))
+        return self._ok()
+
+    def _params_len(self, address):
+        for lay in gpu._layouts.by_codes.values():
+            if lay[3] == address:
+                return len(lay[2])
+        return self.plan_slots[address]
 
 
-def test_step_graphs_eager_capture_replay_lru():
-    """step_graphs.StepGraphs (no GPU): a shape's first step runs its body eagerly, the second captures it and
-    replays the graph, later ones replay; at most `keep` graphs, the least recently used closed (after a sync);
-    key None or keep 0: eager; a body that fails or allocates inside the capture raises, the capture ended."""
-    from step_graphs import StepGraphs
-    g = _FakeCaptureGpu()
-    sg, calls = StepGraphs(g, keep=2), []
-    body = lambda k: lambda: calls.append((k, g.capturing))
-    for k in ("a", "a", "a"):
-        sg.run(k, body(k))
-    assert calls == [("a", False), ("a", True)] and g.log == ["begin", "end", "replay1", "replay1"]
-    for k in ("b", "b", "a", "c", "c"):                # c's graph evicts b's, the least recently used
-        sg.run(k, body(k))
-    assert list(sg.graphs) == ["a", "c"] and g.log[-4:] == ["end", "sync", "close2", "replay3"]
-    assert sg.stats == {"eager": 3, "captures": 3, "replays": 5}
+class _Struct:
+    def __init__(self):
+        self.value = types.SimpleNamespace()
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch):
+    """gpu.GPU over _StandInDriver (no device); the driver is the fixture's second value."""
+    d = _StandInDriver()
+    monkeypatch.setattr(gpu, "cu", d)
+    monkeypatch.setattr(gpu, "_SUCCESS", 0)
+    monkeypatch.setattr(gpu, "available", lambda: True)
+    monkeypatch.setattr(gpu, "_layouts", gpu._Layouts())
+    finish = gpu.Plan._finish
+
+    def register(plan):                                # the plans' kernelParams, for the log's read-back
+        where, slots = list(plan._where), [len(v) // 8 for v in plan._values]
+        finish(plan)
+        for (j, k), n in zip(where, slots):
+            d.plan_slots[plan.ops[j][1][k]] = n
+    monkeypatch.setattr(gpu.Plan, "_finish", register)
+    g = gpu.GPU()
+    yield g, d
+    g.close()
+
+
+def test_plan_replays_the_recorded_driver_calls(stand_in_gpu):
+    """gpu.GPU.record_plan / replay_plan (no device: a stand-in driver): a replay makes the recording's stream
+    operations again in order, kernel parameters byte for byte, although later launches of the same argument
+    layouts rewrote the shared parameter buffers; a recording that allocates, uploads or waits is void and its
+    replay refused; no recording inside a capture."""
+    g, d = stand_in_gpu
+    rng = np.random.default_rng(29)
+    f, h = gpu.Function(1, "k.f"), gpu.Function(2, "k.h")
+    a, b = g.empty((64,), np.float32), g.empty((64,), np.float32)
+
+    def vals():
+        return [a, int(rng.integers(-2**31, 2**31)), float(rng.standard_normal()), gpu.i64(int(rng.integers(2**40)))]
+
+    def body():
+        g.launch(f, (3, 2), (128,), vals(), pdl=True)
+        with g.branch():
+            g.launch(h, (5,), (64,), [b, None, int(rng.integers(100))])
+        g.copy(b, a, 128)
+        g.fill(a, 0xFF)
+        g.launch(f, (7,), (32,), vals(), shared=1024)
+        g.join()
+        g.launch(h, (1,), (32,), [a, b, 9])
+    d.log.clear()
+    plan = g.record_plan(body)
+    recorded = list(d.log)
+    assert plan.void is None and plan.launches == 4 and len(recorded) == 4 + 1 + 1 + 2 + 2   # + fork, join
+    assert plan.joined
+    for _ in range(3):                                 # the same layouts, other values
+        g.launch(f, (1,), (32,), vals())
+        g.launch(h, (1,), (32,), [b, a, 1])
+    d.log.clear()
+    g.replay_plan(plan)
+    assert d.log == recorded
+    g.replay_plan(plan)
+    assert d.log == recorded + recorded
+    for bad, what in ((lambda: g.empty((4,), np.float32), "allocation"), (lambda: g.upload(np.ones(4)), "upload"),
+                      (g.sync, "wait")):
+        p = g.record_plan(lambda: (g.launch(f, (1,), (32,), vals()), bad()))
+        assert p.void is not None and what in p.void
+        with pytest.raises(RuntimeError, match="void|made"):
+            g.replay_plan(p)
+    g.capture_begin()
+    with pytest.raises(RuntimeError, match="capture"):
+        g.record_plan(body)
+    g.capture_end()
+
+
+def test_step_plans_record_replay_lru():
+    """step_plans.StepPlans (no GPU): a shape's first step runs its body eagerly, its second under a recording, later
+    ones replay the plan; at most `keep` plans, the least recently used dropped; a void recording is not kept
+    (stats["void"]); key None, keep 0 or a launch hook (profiles): eager, nothing recorded; another PDL / branch
+    setting is another shape."""
+    from step_plans import StepPlans
+    log = []
+
+    class G:
+        launch_hook, pdl, branches, void = None, True, True, None
+
+        def record_plan(self, body):
+            body()
+            p = types.SimpleNamespace(void=self.void, n=sum(e.startswith("record") for e in log))
+            log.append(f"record{p.n}")
+            return p
+
+        def replay_plan(self, plan):
+            log.append(f"replay{plan.n}")
+    g = G()
+    sp, calls = StepPlans(g, keep=2), []
+    body = lambda k: lambda: calls.append(k)
+    for k in ("a", "a", "a", "b", "b", "a", "c", "c", "b"):
+        sp.run(k, body(k))
+    assert calls == ["a", "a", "b", "b", "c", "c", "b"]
+    assert log == ["record0", "replay0", "record1", "replay0", "record2", "record3"]
+    assert [k for k, *_ in sp.plans] == ["c", "b"]               # c's plan dropped b's, b's then a's
+    assert sp.stats == {"eager": 7, "recorded": 4, "replays": 2, "void": 0}
     calls.clear()
-    sg.run(None, body("n"))
-    sg.run(None, body("n"))
-    StepGraphs(g, keep=0).run("a", body("z"))
-    assert calls == [("n", False), ("n", False), ("z", False)]
+    g.void = "an upload"
+    for _ in range(3):
+        sp.run("d", body("d"))
+    assert calls == ["d"] * 3 and [k for k, *_ in sp.plans] == ["c", "b"] and sp.stats["void"] == 2
+    g.void, n = None, len(log)
+    sp.run(None, body("n"))
+    StepPlans(g, keep=0).run("e", body("e"))
+    g.launch_hook = print
+    sp.run("f", body("f"))
+    sp.run("f", body("f"))
+    assert calls[-4:] == ["n", "e", "f", "f"] and len(log) == n and len(sp.plans) == 2
+    g.launch_hook, g.pdl = None, False
+    for _ in range(3):
+        sp.run("c", body("c"))                                   # seen, recorded, replayed: a shape of its own
+    assert log[n:] == ["record6", "replay6"] and [k for k, *_ in sp.plans] == ["b", "c"]
+    sp.close()
+    assert not sp.plans and not sp.seen
 
-    def boom():
-        raise ValueError("boom")
-    sg.seen.add("d")                                   # its eager step ran before
-    with pytest.raises(RuntimeError, match="boom"):
-        sg.run("d", boom)
-    assert not g.capturing and "d" not in sg.graphs
 
-    def alloc():
-        g.allocated_bytes += 64
-    sg.seen.add("e")
-    with pytest.raises(RuntimeError, match="allocated"):
-        sg.run("e", alloc)
-    assert "e" not in sg.graphs and g.log[-1].startswith("close")
-    sg.close()
-    assert not sg.graphs and not sg.seen
+def test_step_plan_launches_depend_only_on_the_shape(stand_in_gpu, monkeypatch):
+    """The premise of step_plans (no device: the demo model's GpuModel over a stand-in driver): steps of one shape
+    with other tokens, block tables and readout keys make the same stream operations, kernel parameters byte for
+    byte: eagerly (no plan; the shape's first), when recorded, and replayed; a shape's steps' data all comes through
+    the step's input buffer."""
+    g, d = stand_in_gpu
+    monkeypatch.setattr(gpu, "GPU", lambda: g)
+    m = model_mod.load(span02.DEMO_DIR, device="gpu", kv_tokens=4096, max_len=1024, graphs=False)
+    rng = np.random.default_rng(31)
+    V = m.cfg.text.vocab
+    shapes = [[(300, 0, 3, False)], [(77, 0, 0, True), (120, 0, 2, True)], [(1, 40, 2, True), (200, 0, 0, True)],
+              [(60, 64, 1, True)]]                     # (tokens, start, readout keys, argmax) a sequence
+    for shape in shapes:
+        logs = []
+        for keep in (0, 8, 8, 8, 8):                   # eager (no plans), eager (seen), recorded, replayed twice
+            m.step_plans.keep = keep
+            batch, free = [], list(rng.permutation(200))
+            for n, start, nk, am in shape:
+                blocks = tuple(int(free.pop()) for _ in range(-(-(start + n) // 16)))
+                batch.append(SeqStep(tuple(int(x) for x in rng.integers(3, V, n)), start, blocks,
+                                     readout=tuple(int(x) for x in rng.choice(np.arange(3, V), nk, replace=False)),
+                                     argmax=am))
+            d.log.clear()
+            m.step(batch)
+            logs.append(list(d.log))
+        assert len(logs[0]) > 10 and all(log == logs[0] for log in logs[1:]), shape
+    st = m.step_plans.stats
+    assert st["recorded"] == len(shapes) and st["replays"] == 2 * len(shapes) and st["void"] == 0, st
 
 
 def test_kernel_params_pack_each_argument_kind():
@@ -5415,48 +5582,49 @@ def test_gpu_download_counts_its_wait(g):
 
 
 @needs_gpu
-def test_gpu_step_graphs_match_eager(graph_pair, monkeypatch):
-    """Prompt steps through step_graphs (a shape's first step eager, its second captured then replayed, its third
-    replayed), each time over other tokens and block tables, give the bytes the same steps give eagerly on a model
-    without graphs; chunks that start past 0 read KV an earlier step (graphed too) wrote; a `logits` step stays
-    eager."""
+def test_gpu_step_plans_match_eager(graph_pair, monkeypatch):
+    """Prompt steps through step_plans (a shape's second step recorded, later ones replayed), each time over other
+    tokens, block tables and readout keys, give the bytes the same steps give on a model whose every step runs
+    eagerly; chunks that start past 0 read KV an earlier step (planned too) wrote; a `logits` step stays eager."""
     on, off = graph_pair
-    monkeypatch.setattr(on.step_graphs, "keep", 3)
+    monkeypatch.setattr(on.step_plans, "keep", 3)
+    monkeypatch.setattr(off.step_plans, "keep", 0)
     rng = np.random.default_rng(17)
     V = on.cfg.text.vocab
     toks = lambda n: tuple(int(x) for x in rng.integers(3, V, n))
-    shapes = [[(300, 0, (5, 9, 11), False)],                    # (tokens, start, readout keys, argmax) a sequence
-              [(77, 0, (), True), (120, 0, (4, 7), True)],
-              [(1, 40, (7, 8), True), (200, 0, (), True)],
-              [(60, 64, (3,), True)]]
-    c0, r0 = on.step_graphs.stats["captures"], on.step_graphs.stats["replays"]
+    keys = lambda n: tuple(int(x) for x in rng.choice(np.arange(3, V), n, replace=False))
+    shapes = [[(300, 0, 3, False)],                             # (tokens, start, readout keys, argmax) a sequence
+              [(77, 0, 0, True), (120, 0, 2, True)],
+              [(1, 40, 2, True), (200, 0, 0, True)],
+              [(60, 64, 1, True)]]
+    st = on.step_plans.stats
+    r0, v0 = st["replays"], st["void"]
     base = 0
     try:
         for shape in shapes:
-            for _ in range(3):
+            for _ in range(4):                                 # seen, recorded, replayed twice
                 batch = []
-                for n, start, keys, am in shape:
+                for n, start, nk, am in shape:
                     blocks = tuple(range(base, base + -(-(start + n) // 16)))
                     base += len(blocks)
                     if start:                                  # the prefix this chunk attends to, on both models
                         prefix = [SeqStep(toks(start), 0, blocks)]
                         on.step(prefix)
                         off.step(prefix)
-                    batch.append(SeqStep(toks(n), start, blocks, readout=keys, argmax=am))
+                    batch.append(SeqStep(toks(n), start, blocks, readout=keys(nk), argmax=am))
                 got, ref = on.step(batch), off.step(batch)
                 assert [_graph_out_bytes(o) for o in got] == [_graph_out_bytes(o) for o in ref], shape
-        st = on.step_graphs.stats
-        assert st["captures"] - c0 >= len(shapes) and st["replays"] - r0 >= 2 * len(shapes), st
-        assert len(on.step_graphs.graphs) <= 3
+        assert st["replays"] - r0 >= 2 * len(shapes) and st["void"] == v0, st
+        assert len(on.step_plans.plans) <= 3
         lg = [SeqStep(toks(20), 0, tuple(range(base, base + 2)), logits=True)]
-        c1 = st["captures"]
+        r1 = st["replays"]
         for _ in range(2):
             got, ref = on.step(lg)[0], off.step(lg)[0]
             assert np.array_equal(got.logits, ref.logits) and _graph_out_bytes(
                 dataclasses.replace(got, logits=None)) == _graph_out_bytes(dataclasses.replace(ref, logits=None))
-        assert on.step_graphs.stats["captures"] == c1
+        assert st["replays"] == r1
     finally:
-        on.step_graphs.close()
+        on.step_plans.close()
 
 
 @needs_gpu
@@ -6223,8 +6391,10 @@ def test_measure_readout_splits_each_request(monkeypatch):
     steps = rng.integers(1, 4, n)                                   # each request's engine steps
     step_s, wait_s = rng.uniform(0.01, 0.03, n), rng.uniform(0.0, 0.005, n)
     cum = lambda v: np.concatenate([[0.0], np.cumsum(v)]) + 7.0     # the series' running sums (a server up a while)
-    series = [{"span02_step_seconds_sum": a, "span02_step_seconds_count": c, "span02_step_gpu_wait_seconds_sum": w}
-              for a, c, w in zip(cum(step_s), cum(steps), cum(wait_s))]
+    replays = rng.integers(0, 2, n)                                 # each request's steps replayed from a plan
+    series = [{"span02_step_seconds_sum": a, "span02_step_seconds_count": c, "span02_step_gpu_wait_seconds_sum": w,
+               "span02_prompt_step_replays_total": p}
+              for a, c, w, p in zip(cum(step_s), cum(steps), cum(wait_s), cum(replays))]
     reads = iter(series)
     monkeypatch.setattr(bench_server, "metric_sums", lambda port, names: next(reads))
     monkeypatch.setattr(bench_server, "readout_stem_request", lambda prompter, tokens, i: {"i": i})
@@ -6237,11 +6407,12 @@ def test_measure_readout_splits_each_request(monkeypatch):
     assert r["readout_steps_host_ms_each"] == [round((x - w) * 1e3, 2) for x, w in zip(step_s, wait_s)]
     assert r["readout_steps"] == steps.sum() and r["readout_step_ms"] == round(step_s.sum() / steps.sum() * 1e3, 2)
     assert r["readout_step_host_ms"] == round((step_s.sum() - wait_s.sum()) / steps.sum() * 1e3, 2)
+    assert r["readout_replays_each"] == replays.tolist()
     for d in series:                                                # a CPU server: no GPU waits, no host parts
-        del d["span02_step_gpu_wait_seconds_sum"]
+        del d["span02_step_gpu_wait_seconds_sum"], d["span02_prompt_step_replays_total"]
     reads = iter(series)
     r = bench_server.measure_readout(0, None, repeats=n)
-    assert "readout_steps_host_ms_each" not in r and "readout_step_host_ms" not in r
+    assert "readout_steps_host_ms_each" not in r and "readout_step_host_ms" not in r and "readout_replays_each" not in r
     assert r["readout_steps_ms_each"] == [round(x * 1e3, 2) for x in step_s]
 
 
@@ -7899,10 +8070,10 @@ def test_close_drops_the_pinned_arrays_first():
     m = object.__new__(model_gpu.GpuModel)
     m.g = types.SimpleNamespace(close=lambda: closed.append(("gpu", m.inp_host, dict(m._dec))))
     m.decode_graphs = {1: types.SimpleNamespace(close=lambda: closed.append("graph"))}
-    m.step_graphs = types.SimpleNamespace(close=lambda: closed.append("step graphs"))
+    m.step_plans = types.SimpleNamespace(close=lambda: closed.append("step plans"))
     m._dec, m.inp_host = {1: {"host_in": np.zeros(4, np.int32)}}, np.zeros(8, np.int32)
     m.close()
-    assert closed == ["graph", "step graphs", ("gpu", None, {})] and m.decode_graphs == {}
+    assert closed == ["graph", "step plans", ("gpu", None, {})] and m.decode_graphs == {}
 
 
 if __name__ == "__main__":
