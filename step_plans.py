@@ -1,7 +1,7 @@
-"""Prompt steps replayed from recorded plans: a shape's later steps skip the host code of its first.
+"""Prompt steps replayed from recorded plans: a shape's steps after its second make the driver calls its second made.
 
 An eager step (model_gpu.GpuModel.step for anything but a pure decode step) issues ~372 launches from Python. On the
-H200's host a 512-token readout step's host part is as long as its GPU part: 14.96 ms of host time (2.8 ms of it in
+H200's host a 512-token readout step's host part can be as long as its GPU part: 14.96 ms of host time (2.8 ms of it in
 the driver's launch calls) in a 15.28-ms step, 0.32 ms blocked on the GPU (a 508-token step's kernels sum to
 15.0 ms; BENCHMARKS.md, forty-ninth session). So a slower host lengthens that step one for one (the server
 readouts' swings).
@@ -20,6 +20,11 @@ each launch's parameters (a few us of host time a launch), so a shape seen once 
 order, `keep` at most (SPAN02_STEP_PLANS, 0: every prompt step eager). A recording that made a call no plan can
 replay (an allocation, an upload, a wait on the GPU) is our bug: it is not kept and counts in stats["void"], which
 the tests check.
+
+Measured (H200, fiftieth session, BENCHMARKS.md): a 512-token readout step replayed took 14.67 ms with a host part of
+2.73, eager 14.92 with 13.48, recorded 14.96 with 14.73 (medians of 20); on that machine the step was GPU-bound
+eagerly too, and the server's readouts with plans on and off did not differ beyond their spread. What the plans buy
+is a host that no longer paces the steps of shapes that repeat.
 
 The decode steps do not come here: each is one CUDA-graph replay of its batch bucket (decode_graphs.py). Prompt steps
 as CUDA graphs were tried (forty-ninth session): a replayed 512-token step was ~0.8 ms faster than an eager one, but a
