@@ -17,9 +17,10 @@
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it (and, from /metrics, readout_steps,
    readout_step_ms and readout_step_host_ms: the readouts' steps and the host's own part of them; per request
-   readout_steps_ms_each, readout_steps_host_ms_each and readout_replays_each), and the standard workload (--requests N of 4 questions,
-   tau 0.8, cap --cap, default serving mode): decisions_s, decisions_p50_ms, decisions_p99_ms and what was run
-   (decisions_requests, decisions_questions, decisions_errors, decisions_stops, ...).
+   readout_steps_ms_each, readout_steps_host_ms_each and readout_replays_each), and the standard workload
+   (--requests N of 4 questions, tau 0.8, cap --cap, default serving mode): decisions_s, decisions_p50_ms,
+   decisions_p99_ms and what was run (decisions_requests, decisions_questions, decisions_errors, decisions_stops,
+   ...).
 3. --peer (bench_peer.py, a subprocess: torch and transformers never enter this process): the step figures through
    transformers bf16 (sdpa, grouped_mm) as peer_*, and ratio_* = ours / peer for each figure both have.
 

@@ -241,7 +241,7 @@ class Plan:
 
     def launch(self, call, args, k, lay):
         """Record a launch: `call(*args)` with the kernelParams at args[k] (a list) made from what `lay`
-        (gpu._layout) holds now: its values are copied here (~0.5 us), given their address by _finish."""
+        (gpu._layout) holds now: its values are copied here, given their address by _finish."""
         self._values.append(lay[1].raw[:lay[0].size])
         self._where.append((len(self.ops), k))
         self.ops.append((call, args))

@@ -9,8 +9,8 @@ the layout of the CPU reference), and one workspace sized for `max_rows` rows pe
 views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
-Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer, recorded as the plan of
-the step's shape, whose later steps replay it without the Python (step_plans.py). A pure decode step
+Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer; a shape's second such step
+is recorded as its plan, which its later steps replay without the Python (step_plans.py). A pure decode step
 (every sequence 1 token, no images, no full logits) is ONE CUDA-graph replay of its batch bucket, captured at load
 (decode_graphs.py, this class's mixin). The vision tower still runs on the CPU (numpy).
 
