@@ -24,7 +24,8 @@ the tests check.
 Measured (H200, fiftieth session, BENCHMARKS.md): a 512-token readout step replayed took 14.67 ms with a host part of
 2.73, eager 14.92 with 13.48, recorded 14.96 with 14.73 (medians of 20); on that machine the step was GPU-bound
 eagerly too, and the server's readouts with plans on and off did not differ beyond their spread. What the plans buy
-is a host that no longer paces the steps of shapes that repeat.
+is a host that no longer paces the steps of shapes that repeat: with 32 busy processes on the host's 16 cores, one
+server's replayed readouts took 15.5-19.4 ms (one 26.0) against 21.5-27.3 for its eager ones.
 
 The decode steps do not come here: each is one CUDA-graph replay of its batch bucket (decode_graphs.py). Prompt steps
 as CUDA graphs were tried (forty-ninth session): a replayed 512-token step was ~0.8 ms faster than an eager one, but a
