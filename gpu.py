@@ -382,7 +382,7 @@ class GPU:
         nbytes = src.nbytes if nbytes is None else nbytes
         if nbytes > min(src.nbytes, dst.nbytes):
             raise ValueError(f"copy of {nbytes} bytes from {src} to {dst}")
-        self._stream_op(cu.cuMemcpyDtoDAsync, dst.ptr, src.ptr, nbytes, self.stream)
+        self._stream_op(cu.cuMemcpyDtoDAsync, dst.ptr, src.ptr, nbytes, self.stream, what=f" {nbytes} bytes")
 
     def fill(self, a, byte):
         """Set every byte of `a` to `byte` (0xFF poisons bf16/f32 to NaN)."""
@@ -403,9 +403,10 @@ class GPU:
         finally:
             self.wait_s += time.perf_counter() - t0
 
-    def _stream_op(self, call, *args):
-        """A driver call that queues work on a stream (copy, fill, event record / wait): recorded into the plan."""
-        check(call(*args), call.__name__)
+    def _stream_op(self, call, *args, what=""):
+        """A driver call that queues work on a stream (copy, fill, event record / wait): recorded into the plan.
+        what: words for its error message after the call's name."""
+        check(call(*args), f"{call.__name__}{what}")
         if self._plan is not None:
             self._plan.ops.append((call, args))
 
@@ -533,8 +534,8 @@ class GPU:
             self.side_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
             flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._fork_ev, self._join_ev = (check(cu.cuEventCreate(flags), "cuEventCreate") for _ in range(2))
-        self._stream_op(cu.cuEventRecord, self._fork_ev, self.main_stream)
-        self._stream_op(cu.cuStreamWaitEvent, self.side_stream, self._fork_ev, 0)
+        self._stream_op(cu.cuEventRecord, self._fork_ev, self.main_stream, what=" (fork)")
+        self._stream_op(cu.cuStreamWaitEvent, self.side_stream, self._fork_ev, 0, what=" (fork)")
         self.stream = self.side_stream
         try:
             yield
@@ -545,8 +546,8 @@ class GPU:
         """The main stream waits for the work of the last branch (a no-op when there is none to wait for)."""
         if self._joined:
             return
-        self._stream_op(cu.cuEventRecord, self._join_ev, self.side_stream)
-        self._stream_op(cu.cuStreamWaitEvent, self.main_stream, self._join_ev, 0)
+        self._stream_op(cu.cuEventRecord, self._join_ev, self.side_stream, what=" (join)")
+        self._stream_op(cu.cuStreamWaitEvent, self.main_stream, self._join_ev, 0, what=" (join)")
         self._joined = True
 
     # --- graphs and events -----------------------------------------------------------------------------
