@@ -3378,7 +3378,6 @@ def test_step_plan_launches_depend_only_on_the_shape(stand_in_gpu, monkeypatch):
 def test_kernel_params_pack_each_argument_kind():
     """gpu.kernel_params (no GPU needed): the void** array points at each argument's value in its C type (pointer,
     int32, int64, float32); a layout's buffers are reused, another layout's are its own; bad arguments raise."""
-    import ctypes
     rng = np.random.default_rng(11)
 
     class Arr:                                     # stands in for a DeviceArray: only .ptr is read
