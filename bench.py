@@ -5,14 +5,14 @@
                                                  write it (if DIR has none), then measure, part by part:
 
 1. model (this process, GPU; this file): the model's step timed directly (decode as CUDA-graph replays, prefill
-   eager): decode_b1 / b16 / b64 and b128 (the server's largest batch) (+ step_ms_b*) with ~1k context, prefill_2k
-   (and prefill_2k_sustained: see time_prefill; prefill_2k_eager: the same with no step plan, every step's launches
-   from Python), weights_gib (and w16_kept_gib, the part of it that is bf16
-   copies), load_model_s (model construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host
-   syncs per decode step, five decisions through one engine without HTTP (readout_ms_engine: their median, and
-   each; decision_wall_ms), and, when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel
-   tables kernels_b1 / kernels_b64 / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token
-   stem and its probe row) (+ kernel_sum_ms_*). The model is closed before the next part.
+   eager): decode_b1 / b16 / b64, b128 and b256 (the server's largest batch) (+ step_ms_b*) with ~1k context,
+   prefill_2k (and prefill_2k_sustained: see time_prefill; prefill_2k_eager: the same with no step plan, every step's
+   launches from Python), weights_gib (and w16_kept_gib, the part of it that is bf16 copies), load_model_s (model
+   construction only), copy_gbs, bytes_per_step_b1 and mbu_b1, launches / host syncs per decode step, five
+   decisions through one engine without HTTP (readout_ms_engine: their median, and each; decision_wall_ms), and,
+   when the backend has `profile_decode(B)` / `profile_prefill(T)`, the per-kernel tables kernels_b1 / kernels_b64
+   / kernels_prefill_2048 / kernels_prefill_508 (the readout's step: a 507-token stem and its probe row) (+
+   kernel_sum_ms_*). The model is closed before the next part.
 2. server (bench_server.py): real HTTP against `span02.py serve` subprocesses on DIR: load_s (process start to the
    first /health 200), readout_ms (one question, 512-token stem, --serial, tau 0: arrival to first readout on the
    server's clock) with readout_stage_ms and readout_wall_ms beside it (and, from /metrics, readout_steps,
@@ -304,7 +304,7 @@ def model_figures(ckpt_dir, profile=True, log=print):
     from config import load_model_config
     cfg = load_model_config(ckpt_dir)
     t0 = time.time()
-    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=128 * 1152, max_len=2304, max_rows=2048, max_seqs=128)
+    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=256 * 1152, max_len=2304, max_rows=2048, max_seqs=256)
     load_s = time.time() - t0
     try:
         g = m.g
@@ -338,10 +338,11 @@ def model_figures(ckpt_dir, profile=True, log=print):
             finally:
                 m.step_plans.keep = keep
             log(f"prefill 2k with every step eager (no step plan): {r['prefill_2k_eager']:.0f} tok/s")
-        # b128 last, so that prefill_2k follows the same work as before b128 was added. Run before it (thirty-second
-        # session), its ~3 s at full power preceded prefill_2k figures of 49,725 / 49,698 tok/s, against 50,051 /
-        # 50,216 in a process that ran no decode before (the same machine, another call); not A/B-tested further.
+        # b128 and b256 last, so that prefill_2k follows the same work as before b128 was added. Run before it
+        # (thirty-second session), b128's ~3 s at full power preceded prefill_2k figures of 49,725 / 49,698 tok/s,
+        # against 50,051 / 50,216 in a process that ran no decode before (the same machine, another call).
         decode(128)
+        decode(256)
         r["launches_per_decode_step"] = m.stats["launches_per_decode_step"]
         r["host_syncs_per_decode_step"] = m.stats["host_syncs_per_decode_step"]
         r.update(decide(m, ckpt_dir))

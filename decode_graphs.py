@@ -17,7 +17,8 @@ from layers.attention import BLOCK
 from layers.embed import embed_gpu
 from model import SeqOut
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128)   # batch sizes with a decode graph (<= max_seqs, max_rows)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)   # batch sizes with a decode graph
+                                                                         # (<= max_seqs, max_rows)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_KEYS_OUT = 26              # option keys A..Z
 

@@ -5374,8 +5374,10 @@ def test_decode_step_outputs_from_the_one_download():
 
 @pytest.fixture(scope="module")
 def graph_pair():
-    on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024)
-    off = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, graphs=False)
+    import decode_graphs
+    S = max(decode_graphs.DECODE_BUCKETS) + 1        # room for a step above the largest bucket (eager)
+    on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=S)
+    off = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=S, graphs=False)
     yield on, off
     on.close()
     off.close()
@@ -5511,7 +5513,7 @@ def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
     stats = on.stats
     print("launches per decode step (one replay each):", stats["launches_per_decode_step"])
     assert stats["host_syncs_per_decode_step"] == 1
-    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128] == [
+    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256] == [
         b for b in decode_graphs.DECODE_BUCKETS if b <= min(on.max_seqs, on.max_rows)]
     assert all(n > 0 for n in stats["launches_per_decode_step"].values())
     seqs, toks = _graph_prefill([on], 6, np.random.default_rng(9))
@@ -5634,7 +5636,7 @@ def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     rng = np.random.default_rng(11)
     seqs, toks = _graph_prefill([on, off], max(decode_graphs.DECODE_BUCKETS) + 1, rng)
     n0 = on.decode_graph_steps
-    for batch in (_graph_decode(seqs, toks, 0),                                 # 129 > 128: no bucket
+    for batch in (_graph_decode(seqs, toks, 0),                                 # 257 > 256: no bucket
                   _graph_decode(seqs[:2], toks[:2], 1)[:1] + [SeqStep(seqs[1][0][-1:] * 3, len(seqs[1][0]) + 1,
                                                                       seqs[1][1], argmax=True)]):
         got, ref = on.step(batch), off.step(batch)
@@ -6642,7 +6644,7 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     made = []
 
     def fake_load(d, device="cpu", **kw):
-        assert device == "gpu" and kw["max_seqs"] == 128 and kw["kv_tokens"] >= 128 * (1024 + 12 + 1)
+        assert device == "gpu" and kw["max_seqs"] == 256 and kw["kv_tokens"] >= 256 * (1024 + 12 + 1)
         made.append(_FakeModel(load_model_config(d)))
         return made[-1]
     monkeypatch.setattr(model_mod, "load", fake_load)
@@ -6650,7 +6652,7 @@ def test_model_part_orchestration_with_a_fake_gpu_model(monkeypatch):
     monkeypatch.setattr(bench.time, "sleep", lambda s: None)            # time_prefill's idle gaps
     r = bench.model_figures(DEMO, log=lambda *a: None)
     assert made[0].closed
-    for k in ("decode_b1", "decode_b16", "decode_b64", "decode_b128", "step_ms_b1", "prefill_2k",
+    for k in ("decode_b1", "decode_b16", "decode_b64", "decode_b128", "decode_b256", "step_ms_b1", "prefill_2k",
               "prefill_2k_sustained", "weights_gib", "w16_kept_gib", "mbu_b1",
               "bytes_per_step_b1", "copy_gbs", "launches_per_decode_step", "host_syncs_per_decode_step",
               "readout_ms_engine", "kernels_b1", "kernels_b64", "kernel_sum_ms_b64"):
