@@ -3185,6 +3185,8 @@ class _StandInDriver(_RecordingDriver):
     def cuStreamWaitEvent(self, *a): return self._op("cuStreamWaitEvent", a)
     def cuLaunchKernel(self, *a): return self._op("cuLaunchKernel", a)
     def cuLaunchKernelEx(self, *a): return self._op("cuLaunchKernelEx", a)
+    def cuGraphLaunch(self, *a): return self._op("cuGraphLaunch", a)
+    def cuGraphExecDestroy(self, e): return self._ok()
 
     def cuDeviceGetAttribute(self, a, d):
         at = self.real.CUdevice_attribute
@@ -3373,6 +3375,26 @@ def test_step_plan_launches_depend_only_on_the_shape(stand_in_gpu, monkeypatch):
         assert len(logs[0]) > 10 and all(log == logs[0] for log in logs[1:]), shape
     st = m.step_plans.stats
     assert st["recorded"] == len(shapes) and st["replays"] == 2 * len(shapes) and st["void"] == 0, st
+
+
+def test_server_builds_the_gpu_model_for_its_limits(stand_in_gpu, monkeypatch):
+    """span02's loader builds the GPU model for the engine's limits (no device: a stand-in driver): its block tables
+    hold --max-len positions, so a 9,000-token sequence steps (the model's default tables hold 8,192: the step
+    raised, and the engine failed the request), and a step holds every running sequence twice over (a readout probe
+    goes in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4."""
+    g, d = stand_in_gpu
+    monkeypatch.setattr(gpu, "GPU", lambda: g)
+    cfg = EngineConfig(model_dir=span02.DEMO_DIR, device="gpu", max_len=9000, max_batch=3, kv_tokens=9600)
+    m, _ = span02._load_engine_parts(cfg)
+    assert (m.max_blocks, m.max_seqs, sorted(m.decode_graphs)) == (563, 6, [1, 2, 4])
+    rng = np.random.default_rng(37)
+    toks, blocks = tuple(int(x) for x in rng.integers(3, m.cfg.text.vocab, 8999)), tuple(rng.permutation(563))
+    for a in range(0, 8999, m.max_rows):                   # the prompt in chunks of the workspace's rows
+        m.step([SeqStep(toks[a:a + m.max_rows], a, tuple(int(b) for b in blocks[:-(-min(8999, a + m.max_rows) // 16)]))])
+    n0 = m.decode_graph_steps
+    m.step([SeqStep((5,), 8999, tuple(int(b) for b in blocks), argmax=True)])       # position 8,999: block 563
+    assert m.decode_graph_steps == n0 + 1
+    m.close()
 
 
 def test_kernel_params_pack_each_argument_kind():
