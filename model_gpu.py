@@ -46,6 +46,7 @@ from step_plans import StepPlans
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
 PA_SPARE = 8                   # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
+MAX_ROWS = 2048                # rows a step by default (the server asks for more when its prefill chunk needs them)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
 # kv_tokens=0: the KV pool takes KV_AUTO_FRACTION of the device memory still free once the weights, the workspaces
 # and the vision tower are in, less KV_AUTO_RESERVE (the decode graphs, the driver, other kernels' scratch), as
@@ -76,7 +77,7 @@ def auto_kv_tokens(cfg, free_bytes, cap):
 
 
 class GpuModel(DecodeGraphs, StepTools):
-    def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=2048, max_seqs=256, max_len=8192, name="model",
+    def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=MAX_ROWS, max_seqs=256, max_len=8192, name="model",
                  graphs=True, kv_cap=None):
         t = cfg.text
         self.cfg, self.name, self.device = cfg, name, "gpu"

@@ -127,10 +127,13 @@ def _load_engine_parts(cfg: EngineConfig):
     from prompt import Prompter
     t0 = time.monotonic()
     log.info("loading %s on %s", cfg.model_dir, cfg.device)
-    # the GPU model's block tables and sequences a step, for the engine's limits: a step holds each running sequence
-    # once, or twice when its readout probe goes in beside its stem's last chunk (scheduler._split)
+    from model_gpu import MAX_ROWS
+    # the GPU model's block tables, sequences and rows a step, for the engine's limits: a step holds each running
+    # sequence once, or twice when its readout probe goes in beside its stem's last chunk (scheduler._split), and a
+    # whole chunk with that probe row
     m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize,
-                   kv_cap=cfg.max_batch * cfg.max_len, max_len=cfg.max_len, max_seqs=2 * cfg.max_batch)
+                   kv_cap=cfg.max_batch * cfg.max_len, max_len=cfg.max_len, max_seqs=2 * cfg.max_batch,
+                   max_rows=max(MAX_ROWS, cfg.prefill_chunk + 1))
     sized = not cfg.kv_tokens and m.device == "gpu"          # model.load sized the pool from free memory
     log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks%s)", time.monotonic() - t0,
              m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks, ", sized by free memory" if sized else "")

@@ -3378,21 +3378,25 @@ def test_step_plan_launches_depend_only_on_the_shape(stand_in_gpu, monkeypatch):
 
 
 def test_server_builds_the_gpu_model_for_its_limits(stand_in_gpu, monkeypatch):
-    """span02's loader builds the GPU model for the engine's limits (no device: a stand-in driver): its block tables
+    """span02's loader builds the GPU model for the engine's limits (no device: a stand-in driver). Its block tables
     hold --max-len positions, so a 9,000-token sequence steps (the model's default tables hold 8,192: the step
-    raised, and the engine failed the request), and a step holds every running sequence twice over (a readout probe
-    goes in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4."""
+    raised, and the engine failed the request); a step holds every running sequence twice over (a readout probe goes
+    in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4; and a step holds a
+    whole --prefill-chunk with its probe row (3,001 rows here; the default workspace holds 2,048)."""
     g, d = stand_in_gpu
     monkeypatch.setattr(gpu, "GPU", lambda: g)
-    cfg = EngineConfig(model_dir=span02.DEMO_DIR, device="gpu", max_len=9000, max_batch=3, kv_tokens=9600)
+    cfg = EngineConfig(model_dir=span02.DEMO_DIR, device="gpu", max_len=9000, max_batch=3, prefill_chunk=3000,
+                       kv_tokens=9600)
     m, _ = span02._load_engine_parts(cfg)
-    assert (m.max_blocks, m.max_seqs, sorted(m.decode_graphs)) == (563, 6, [1, 2, 4])
+    assert (m.max_blocks, m.max_seqs, m.max_rows, sorted(m.decode_graphs)) == (563, 6, 3001, [1, 2, 4])
     rng = np.random.default_rng(37)
-    toks, blocks = tuple(int(x) for x in rng.integers(3, m.cfg.text.vocab, 8999)), tuple(rng.permutation(563))
-    for a in range(0, 8999, m.max_rows):                   # the prompt in chunks of the workspace's rows
-        m.step([SeqStep(toks[a:a + m.max_rows], a, tuple(int(b) for b in blocks[:-(-min(8999, a + m.max_rows) // 16)]))])
+    toks, perm = tuple(int(x) for x in rng.integers(3, m.cfg.text.vocab, 8999)), rng.permutation(563)
+    blocks = lambda n: tuple(int(b) for b in perm[:-(-n // 16)])
+    for a in range(0, 8999, 3000):                         # each chunk with a readout probe row after it
+        b = min(8999, a + 3000)
+        m.step([SeqStep(toks[a:b], a, blocks(b), argmax=True), SeqStep((7,), b, blocks(b + 1), readout=(5, 6))])
     n0 = m.decode_graph_steps
-    m.step([SeqStep((5,), 8999, tuple(int(b) for b in blocks), argmax=True)])       # position 8,999: block 563
+    m.step([SeqStep((5,), 8999, blocks(9000), argmax=True)])                  # position 8,999: block 563
     assert m.decode_graph_steps == n0 + 1
     m.close()
 
