@@ -50,6 +50,8 @@ def _serve_args(p):
     a("--quantize", action="store_true", help="quantize a bf16 checkpoint at load: NVFP4 experts, FP8 dense layers")
     a("--max-len", type=int, default=d.max_len, help="longest sequence, stem + thought, in tokens (default %(default)s)")
     a("--max-batch", type=int, default=d.max_batch, help="most sequences in one engine step (default %(default)s)")
+    a("--prefill-chunk", type=int, default=d.prefill_chunk,
+      help="most prompt tokens of one sequence in one step; chunk cuts sit at its multiples (default %(default)s)")
     a("--kv-tokens", type=int, default=d.kv_tokens,
       help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: on the GPU 90%% "
            "of the memory free after the weights, less 2 GiB, at most max-batch x max-len; on the CPU 16384)")
@@ -97,6 +99,7 @@ def engine_config(ns) -> EngineConfig:
         raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
     return EngineConfig(
         model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
+        prefill_chunk=ns.prefill_chunk,
         kv_tokens=ns.kv_tokens, quantize=ns.quantize,
         policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
                             blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),

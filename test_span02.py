@@ -6550,7 +6550,8 @@ def test_kv_tokens_auto_size(tmp_path, monkeypatch):
     assert model_gpu.auto_kv_tokens(cfg, 120 << 30, 1000) == 992                    # the cap, in whole blocks
     with pytest.raises(config.ConfigError, match="--kv-tokens"):
         model_gpu.auto_kv_tokens(cfg, 3 << 30, 1 << 20)
-    ns = span02.parser().parse_args(["serve", "--max-len", "4096", "--max-batch", "32", "--device", "cpu"])
+    ns = span02.parser().parse_args(["serve", "--max-len", "4096", "--max-batch", "32", "--prefill-chunk", "3000",
+                                     "--device", "cpu"])
     ecfg = span02.engine_config(ns)
     assert ecfg.kv_tokens == 0
     seen = {}
@@ -6566,6 +6567,7 @@ def test_kv_tokens_auto_size(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         span02._load_engine_parts(ecfg)
     assert seen["kv_tokens"] == 0 and seen["kv_cap"] == 32 * 4096, seen
+    assert (seen["max_len"], seen["max_seqs"], seen["max_rows"], ecfg.prefill_chunk) == (4096, 64, 3001, 3000), seen
     monkeypatch.undo()
     assert model_mod.load(span02.DEMO_DIR, device="cpu", kv_tokens=0).num_blocks == model_mod.CPU_KV_TOKENS // BLOCK
 
