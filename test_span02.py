@@ -7474,6 +7474,7 @@ def test_linear_prefill_tile_choice():
              (qkv, 128, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (64, 1, 1), S)),         # 64 CTAs: the floor
              (o_proj, 512, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (88, 1, 1), S)),
              (o_proj, 128, {}, ('linear.gemm_fp8_bf16_p', (44, 4, 1), lin_mod.P_SMEM['fp8'])),     # 22 CTAs
+             (o_proj, 256, {}, ('linear_sm90a.gemm_fp8_bf16_ws', (44, 1, 1), S)),      # 44 CTAs: above the floor
              (gelu, 512, {}, ('linear_sm90a.gelu_fp8_bf16_ws', (132, 1, 1), SG)),
              (gelu, 2048, {'sm_count': 78}, ('linear_sm90a.gelu_fp8_bf16_ws', (78, 1, 1), SG)),
              (gelu, 128, {}, ('linear.gelu_fp8_bf16_p', (33, 4, 1), lin_mod.P_SMEM['fp8'])),       # 33 CTAs

@@ -40,8 +40,12 @@ G_ROWS, G_STAGES, G_XSTRIDE = 128, 4, 144
 # (test_gpu_linear_prefill_timing, us, `_p` / `_g128` / `_ws`): T = 2048 q+k+v 687 / 503 / 217, o_proj 346 / 269 /
 # 118, down 184 / 150 / 67, gate_up_gelu (`_p` / `_ws`, 64 rows a tile) 352 / 139 (128.5 from the sixteenth
 # session: linear_sm90a.cu ws_gelu_half); T = 512 q+k+v 178 / 128 / 57;
-# T = 128 q+k+v (64 tiles) 47 / 64 / 29, but o_proj (22 tiles) 34 / 92 / 40 and down 19 / 51 / 24: hence the floor.
-W_MIN_T, W_MIN_CTAS = 65, 64
+# T = 128 q+k+v (64 tiles) 47 / 64 / 29, but o_proj (22 tiles) 34 / 92 / 40 and down 19 / 51 / 24: hence a floor.
+# At 40 rather than 64 (fifty-first session), o_proj and down take `_ws` from 129 tokens (44 tiles: `_p`'s time grows
+# with T, a `_ws` tile's does not while the tiles fit the SMs; gelu's 33 tiles at T <= 128 stay on `_p`): decode graphs
+# (H200, two alternating rounds, ms, W_MIN_CTAS 64 / 40, outputs byte-equal) 128 rows 19.26, 19.59 / 19.20, 19.51;
+# 192 rows 24.79, 25.34 / 24.72, 25.39; 256 rows 30.60, 31.23 / 29.72, 30.21.
+W_MIN_T, W_MIN_CTAS = 65, 40
 W_GATE = 64 * 2 * 128                                               # gelu: + the gate / up halves exchanged
 W_OUT = 128 * 128 * 2                                               # plain: + the tile's outputs on their way out
 WS_THREADS = 384                                                    # 2 compute warpgroups + 1 loader
