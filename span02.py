@@ -127,10 +127,10 @@ def parser():
 
 def _load_engine_parts(cfg: EngineConfig):
     import model
+    from model_gpu import MAX_ROWS
     from prompt import Prompter
     t0 = time.monotonic()
     log.info("loading %s on %s", cfg.model_dir, cfg.device)
-    from model_gpu import MAX_ROWS
     # the GPU model's block tables, sequences and rows a step, for the engine's limits: a step holds each running
     # sequence once, or twice when its readout probe goes in beside its stem's last chunk (scheduler._split), and a
     # whole chunk with that probe row
