@@ -19,6 +19,7 @@ import threading
 import time
 
 from config import ConfigError, EngineConfig, PolicyConfig
+from policy import check_cost_table
 
 log = logging.getLogger("span02")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -95,6 +96,15 @@ def engine_config(ns) -> EngineConfig:
                 cost = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
+        try:
+            check_cost_table(cost)
+        except ValueError as e:
+            raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
+        batch = 1 if ns.serial else ns.max_batch          # the batch the engine looks the cost up at
+        if cost["batch"][-1] < batch:                     # beyond its last row the table would under-price a step
+            raise ConfigError(f"--think-cost {ns.think_cost}: its batches end at {cost['batch'][-1]}, and the server "
+                              f"steps up to {batch} sequences: make it with this --max-batch (span02.py calibrate), "
+                              f"or serve with --max-batch {cost['batch'][-1]}")
     if ns.spec_draft and not os.path.isdir(ns.spec_draft):
         raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
     return EngineConfig(

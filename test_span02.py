@@ -6496,6 +6496,27 @@ def test_server_start_failure_and_timeout_leave_no_process(tmp_path, server_pids
     assert len(server_pids) == 2 and all(_gone(p) for p in server_pids)
 
 
+def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
+    """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
+    whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
+    row the table would under-price the step), is refused with a message naming the file (exit 2, no traceback)."""
+    rng = np.random.default_rng(41)
+    batches = [1, 2, 4, 8, 16, 32, 64, 128]
+    table = {"batch": batches, "context": [256, 1024], "ms": rng.uniform(1, 30, (len(batches), 2)).round(3).tolist()}
+    good, bad = tmp_path / "cost.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(table))
+    bad.write_text(json.dumps(dict(table, batch=batches[::-1])))
+    args = lambda *a: ["serve", "--bind", "127.0.0.1:0", "--think-ms", "100", *a]
+    for path, extra, words in ((bad, (), "ascending 'batch'"), (good, (), "batches end at 128"),
+                               (good, ("--max-batch", "200"), "up to 200 sequences")):
+        assert span02.main(args("--think-cost", str(path), *extra)) == 2
+        err = capsys.readouterr().err
+        assert f"--think-cost {path}" in err and words in err and "Traceback" not in err, err
+    for extra in (("--max-batch", "128"), ("--max-batch", "100"), ("--serial",)):
+        cfg = span02.engine_config(span02.parser().parse_args(args("--think-cost", str(good), *extra)))
+        assert cfg.think_cost == table and cfg.policy.think_ms == 100
+
+
 def test_cli_peer_on_cpu_last_line_is_json():
     """`bench.py run --skip-model --skip-server --peer` with the peer on the CPU: the peer subprocess and the
     JSON last line (the model and server parts are covered above / on the GPU)."""
