@@ -237,6 +237,7 @@ class EngineConfig:
         checks = [
             (self.device in ("auto", "cpu", "gpu"), f"device must be auto, cpu or gpu, not {self.device!r}"),
             (self.max_len >= 64, "max-len must be at least 64"),
+            (self.kv_tokens >= 0, "kv-tokens must be >= 0 (0: sized at load)"),
             (self.max_batch >= 1, "max-batch must be at least 1"),
             (self.prefill_chunk >= 16, "prefill chunk must be at least 16"),
             (0.0 <= p.tau, "tau must be >= 0"),

@@ -6496,6 +6496,22 @@ def test_server_start_failure_and_timeout_leave_no_process(tmp_path, server_pids
     assert len(server_pids) == 2 and all(_gone(p) for p in server_pids)
 
 
+def test_engine_config_refuses_values_it_cannot_serve(capsys):
+    """EngineConfig checks each serving limit once, at start: a bad value is a ConfigError naming the option, and
+    `span02.py serve` prints it and exits 2 before it binds or loads anything."""
+    from config import ConfigError
+    bad = [({"max_len": 63}, "max-len"), ({"kv_tokens": -5}, "kv-tokens"), ({"max_batch": 0}, "max-batch"),
+           ({"prefill_chunk": 15}, "prefill chunk"), ({"device": "tpu"}, "device"), ({"deadline_ms": -1}, "deadline"),
+           ({"image_soft_tokens": 100}, "image-soft-tokens"), ({"max_queue": 0}, "max-queue"),
+           ({"policy": PolicyConfig(tau=-0.1)}, "tau"), ({"policy": PolicyConfig(think_ms=5.0)}, "think-cost")]
+    for kw, words in bad:
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig(model_dir="", **kw)
+    assert EngineConfig(model_dir="", kv_tokens=0, max_len=64, prefill_chunk=16).kv_tokens == 0
+    assert span02.main(["serve", "--bind", "127.0.0.1:0", "--kv-tokens", "-5"]) == 2
+    assert "span02: kv-tokens must be >= 0" in capsys.readouterr().err
+
+
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
     """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
     whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
