@@ -20,6 +20,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from config import ConfigError
 from model import ImageRows, SeqOut, SeqStep
 from policy import THOUGHT_MODES, QuestionPolicy, Request, check_cost_table, thought_limit
 from prompt import PromptError
@@ -75,11 +76,24 @@ class _Job:
     images: int = 0
 
 
+def _check_model_limits(model, cfg):
+    """A model with a fixed workspace (the GPU's: block tables of max_blocks, max_rows a step) must hold the engine's
+    longest sequence and a whole prefill chunk with its probe row: else such steps would fail at run time."""
+    blocks, rows = getattr(model, "max_blocks", None), getattr(model, "max_rows", None)
+    if blocks is not None and cfg.max_len > blocks * BLOCK:
+        raise ConfigError(f"max-len {cfg.max_len}: the model's block tables hold {blocks * BLOCK} positions "
+                          f"(load it with max_len={cfg.max_len})")
+    if rows is not None and cfg.prefill_chunk + 1 > rows:
+        raise ConfigError(f"prefill chunk {cfg.prefill_chunk}: the model steps at most {rows} rows, a chunk and its "
+                          f"probe row (load it with max_rows={cfg.prefill_chunk + 1})")
+
+
 class Engine:
     def __init__(self, model, prompter, cfg, encode_image=None, clock=time.monotonic):
         self.model, self.prompter, self.cfg, self.encode_image, self.clock = model, prompter, cfg, encode_image, clock
         if cfg.think_cost is not None:
             check_cost_table(cfg.think_cost)
+        _check_model_limits(model, cfg)
         self.sched = Scheduler(model.num_blocks, cfg.max_batch, cfg.prefill_chunk,
                                prefix_cache=cfg.prefix_cache, serial=cfg.serial,
                                max_rows=getattr(model, "max_rows", None), max_seqs=getattr(model, "max_seqs", None))

@@ -3382,13 +3382,20 @@ def test_server_builds_the_gpu_model_for_its_limits(stand_in_gpu, monkeypatch):
     hold --max-len positions, so a 9,000-token sequence steps (the model's default tables hold 8,192: the step
     raised, and the engine failed the request); a step holds every running sequence twice over (a readout probe goes
     in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4; and a step holds a
-    whole --prefill-chunk with its probe row (3,001 rows here; the default workspace holds 2,048)."""
+    whole --prefill-chunk with its probe row (3,001 rows here; the default workspace holds 2,048). An engine given a
+    model too small for its limits refuses it at construction."""
     g, d = stand_in_gpu
     monkeypatch.setattr(gpu, "GPU", lambda: g)
     cfg = EngineConfig(model_dir=span02.DEMO_DIR, device="gpu", max_len=9000, max_batch=3, prefill_chunk=3000,
                        kv_tokens=9600)
-    m, _ = span02._load_engine_parts(cfg)
+    m, pr = span02._load_engine_parts(cfg)
     assert (m.max_blocks, m.max_seqs, m.max_rows, sorted(m.decode_graphs)) == (563, 6, 3001, [1, 2, 4])
+    Engine(m, pr, cfg)                                     # and the engine refuses a model too small for its limits:
+    from config import ConfigError
+    with pytest.raises(ConfigError, match="max-len 9100: the model's block tables hold 9008 positions"):
+        Engine(m, pr, cfg.replace(max_len=9100))
+    with pytest.raises(ConfigError, match="prefill chunk 3001: the model steps at most 3001 rows"):
+        Engine(m, pr, cfg.replace(prefill_chunk=3001))
     rng = np.random.default_rng(37)
     toks, perm = tuple(int(x) for x in rng.integers(3, m.cfg.text.vocab, 8999)), rng.permutation(563)
     blocks = lambda n: tuple(int(b) for b in perm[:-(-n // 16)])
