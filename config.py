@@ -17,6 +17,27 @@ class ConfigError(ValueError):
     pass
 
 
+class CostTableError(ConfigError):
+    """A --think-cost table the engine cannot use (span02 names its file)."""
+
+
+def check_cost_table(t: dict, batch: int = 1) -> dict:
+    """The think-cost table (policy.py: its format) well formed, and covering `batch`, the batch the engine prices a
+    step at: beyond its last row a lookup takes that row, which would under-price the step."""
+    ok = (isinstance(t, dict) and all(k in t for k in ("batch", "context", "ms"))
+          and t["batch"] == sorted(t["batch"]) and t["context"] == sorted(t["context"])
+          and len(t["ms"]) == len(t["batch"]) and all(len(r) == len(t["context"]) for r in t["ms"])
+          and all(x > 0 for r in t["ms"] for x in r) and t["batch"] and t["context"])
+    if not ok:
+        raise CostTableError("think-cost table needs ascending 'batch' and 'context' lists and a positive "
+                             "'ms' matrix of len(batch) rows by len(context) columns")
+    if t["batch"][-1] < batch:
+        raise CostTableError(f"its batches end at {t['batch'][-1]}, and the server steps up to {batch} sequences: "
+                             f"make it with this --max-batch (span02.py calibrate), or serve with --max-batch "
+                             f"{t['batch'][-1]}")
+    return t
+
+
 # --- model -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -256,6 +277,13 @@ class EngineConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.think_cost is not None:
+            check_cost_table(self.think_cost, self.think_batch)
+
+    @property
+    def think_batch(self) -> int:
+        """The batch a thought's cost is looked up at (policy.md): 1 under --serial, else max_batch."""
+        return 1 if self.serial else self.max_batch
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from config import ConfigError
 from model import ImageRows, SeqOut, SeqStep
-from policy import THOUGHT_MODES, QuestionPolicy, Request, check_cost_table, thought_limit
+from policy import THOUGHT_MODES, QuestionPolicy, Request, thought_limit
 from prompt import PromptError
 from scheduler import BLOCK, Scheduler, Seq, TooLarge
 from vision import ImageError
@@ -91,8 +91,6 @@ def _check_model_limits(model, cfg):
 class Engine:
     def __init__(self, model, prompter, cfg, encode_image=None, clock=time.monotonic):
         self.model, self.prompter, self.cfg, self.encode_image, self.clock = model, prompter, cfg, encode_image, clock
-        if cfg.think_cost is not None:
-            check_cost_table(cfg.think_cost)
         _check_model_limits(model, cfg)
         self.sched = Scheduler(model.num_blocks, cfg.max_batch, cfg.prefill_chunk,
                                prefix_cache=cfg.prefix_cache, serial=cfg.serial,
@@ -224,7 +222,7 @@ class Engine:
                                for im in ims]
             shared = enc(req.images)
             job.images = len(req.images) + sum(len(q.images) for q in req.questions)
-            batch = 1 if cfg.serial else cfg.max_batch
+            batch = cfg.think_batch
             for qi, q in enumerate(req.questions):
                 embeds = shared + enc(q.images)
                 stem = pr.stem(req.system, req.context, [len(e) for e in shared], q.text, q.choices,

@@ -32,7 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from config import PolicyConfig
+from config import PolicyConfig, check_cost_table  # noqa: F401 - the table's check, with its format below
 
 THOUGHT_MODES = ("auto", "never", "always")
 
@@ -88,15 +88,7 @@ def argmax(p) -> int:
 # Both axes ascend. A lookup rounds batch and context UP to the next measured point (the last one when
 # past the end): modelled time never undercounts inside the table.
 
-def check_cost_table(t: dict) -> dict:
-    ok = (isinstance(t, dict) and all(k in t for k in ("batch", "context", "ms"))
-          and t["batch"] == sorted(t["batch"]) and t["context"] == sorted(t["context"])
-          and len(t["ms"]) == len(t["batch"]) and all(len(r) == len(t["context"]) for r in t["ms"])
-          and all(x > 0 for r in t["ms"] for x in r) and t["batch"] and t["context"])
-    if not ok:
-        raise ValueError("think-cost table needs ascending 'batch' and 'context' lists and a positive "
-                         "'ms' matrix of len(batch) rows by len(context) columns")
-    return t
+# (config.check_cost_table validates a table, with EngineConfig.)
 
 
 def _up(points, x):

@@ -18,8 +18,7 @@ import sys
 import threading
 import time
 
-from config import ConfigError, EngineConfig, PolicyConfig
-from policy import check_cost_table
+from config import ConfigError, CostTableError, EngineConfig, PolicyConfig
 
 log = logging.getLogger("span02")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -96,28 +95,22 @@ def engine_config(ns) -> EngineConfig:
                 cost = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
-        try:
-            check_cost_table(cost)
-        except ValueError as e:
-            raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
-        batch = 1 if ns.serial else ns.max_batch          # the batch the engine looks the cost up at
-        if cost["batch"][-1] < batch:                     # beyond its last row the table would under-price a step
-            raise ConfigError(f"--think-cost {ns.think_cost}: its batches end at {cost['batch'][-1]}, and the server "
-                              f"steps up to {batch} sequences: make it with this --max-batch (span02.py calibrate), "
-                              f"or serve with --max-batch {cost['batch'][-1]}")
     if ns.spec_draft and not os.path.isdir(ns.spec_draft):
         raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
-    return EngineConfig(
-        model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
-        prefill_chunk=ns.prefill_chunk,
-        kv_tokens=ns.kv_tokens, quantize=ns.quantize,
-        policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
-                            blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),
-        think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
-        prefix_cache=not ns.no_prefix_cache, spec_draft=ns.spec_draft, spec_max_branches=ns.spec_max_branches,
-        max_queue=ns.max_queue, max_body_bytes=ns.max_body_bytes, max_decoded_bytes=ns.max_decoded_bytes,
-        max_image_pixels=ns.max_image_pixels, max_connections=ns.max_connections, max_questions=ns.max_questions,
-        max_images=ns.max_images, read_timeout_s=ns.read_timeout)
+    try:
+        return EngineConfig(
+            model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
+            prefill_chunk=ns.prefill_chunk,
+            kv_tokens=ns.kv_tokens, quantize=ns.quantize,
+            policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
+                                blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),
+            think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
+            prefix_cache=not ns.no_prefix_cache, spec_draft=ns.spec_draft, spec_max_branches=ns.spec_max_branches,
+            max_queue=ns.max_queue, max_body_bytes=ns.max_body_bytes, max_decoded_bytes=ns.max_decoded_bytes,
+            max_image_pixels=ns.max_image_pixels, max_connections=ns.max_connections, max_questions=ns.max_questions,
+            max_images=ns.max_images, read_timeout_s=ns.read_timeout)
+    except CostTableError as e:
+        raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
 
 
 def parser():

@@ -6507,14 +6507,19 @@ def test_engine_config_refuses_values_it_cannot_serve(capsys):
     """EngineConfig checks each serving limit once, at start: a bad value is a ConfigError naming the option, and
     `span02.py serve` prints it and exits 2 before it binds or loads anything."""
     from config import ConfigError
+    small = {"batch": [1, 16], "context": [64, 512], "ms": [[2.0, 3.0], [4.0, 5.0]]}
     bad = [({"max_len": 63}, "max-len"), ({"kv_tokens": -5}, "kv-tokens"), ({"max_batch": 0}, "max-batch"),
            ({"prefill_chunk": 15}, "prefill chunk"), ({"device": "tpu"}, "device"), ({"deadline_ms": -1}, "deadline"),
            ({"image_soft_tokens": 100}, "image-soft-tokens"), ({"max_queue": 0}, "max-queue"),
-           ({"policy": PolicyConfig(tau=-0.1)}, "tau"), ({"policy": PolicyConfig(think_ms=5.0)}, "think-cost")]
+           ({"policy": PolicyConfig(tau=-0.1)}, "tau"), ({"policy": PolicyConfig(think_ms=5.0)}, "think-cost"),
+           ({"think_cost": dict(small, context=[512, 64])}, "ascending"),
+           ({"think_cost": small, "max_batch": 32}, "batches end at 16")]
     for kw, words in bad:
         with pytest.raises(ConfigError, match=words):
             EngineConfig(model_dir="", **kw)
     assert EngineConfig(model_dir="", kv_tokens=0, max_len=64, prefill_chunk=16).kv_tokens == 0
+    for kw in ({"max_batch": 16}, {"max_batch": 32, "serial": True}):       # the batch a step is priced at is covered
+        assert EngineConfig(model_dir="", think_cost=small, **kw).think_cost is small
     assert span02.main(["serve", "--bind", "127.0.0.1:0", "--kv-tokens", "-5"]) == 2
     assert "span02: kv-tokens must be >= 0" in capsys.readouterr().err
 
