@@ -39,12 +39,14 @@ from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
-from decode_graphs import MAX_KEYS_OUT, DecodeGraphs
+from decode_graphs import DECODE_BUCKETS, MAX_KEYS_OUT, DecodeGraphs
 from model import SeqOut, StepTools
 from step_plans import StepPlans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-ATTN_WORK = 256 << 20          # bytes of attention scratch; attention_gpu runs rows in groups that fit
+# Bytes of split-attention scratch (attention_work_bytes): the largest decode graph's rows in one group, within
+# these bounds; attention_gpu runs the rows of a larger step in groups that fit.
+ATTN_WORK, ATTN_WORK_MAX = 256 << 20, 2 << 30
 PA_SPARE = 8                   # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
 MAX_ROWS = 2048                # rows a step by default (the server asks for more when its prefill chunk needs them)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
@@ -74,6 +76,21 @@ def auto_kv_tokens(cfg, free_bytes, cap):
         raise ConfigError(f"{free_bytes / 2**30:.1f} GiB of device memory free after the weights: room for {n} KV "
                           f"positions, fewer than {least}; free memory or pass --kv-tokens")
     return n
+
+
+def attention_work_bytes(t, max_blocks, rows):
+    """Bytes of float32 scratch for the split attention of `rows` decode rows (at most the largest decode bucket) in
+    one group: each row's partials (layers.attention.attention_slots) at its layer type's key bound, max_blocks
+    wide tables (decode_graphs._decode_body's max_keys), within [ATTN_WORK, ATTN_WORK_MAX]. With max_len 8192 a
+    row of a global layer (16 heads, D = 512) takes 4.2 MB: 256 MB held 63 rows, so a batch-256 step ran those
+    layers in 5 groups (439 launches a step in place of 399). In one group (H200, 1k context, 4 alternating rounds,
+    the same output bytes) b64 / 128 / 192 / 256 steps took 13.339 / 19.625 / 25.356 / 30.375 -> 13.235 / 19.383 /
+    25.031 / 30.154 ms (BENCHMARKS.md, fifty-second session)."""
+    rows = max(1, min(rows, max(DECODE_BUCKETS)))
+    per_row = max(t.heads * attention.attention_slots(
+        min(t.window, max_blocks * BLOCK) if geo.sliding else max_blocks * BLOCK) * (geo.head_dim + 2) * 4
+        for geo in t.layers)
+    return min(ATTN_WORK_MAX, max(ATTN_WORK, rows * per_row + 16))
 
 
 class GpuModel(DecodeGraphs, StepTools):
@@ -145,7 +162,7 @@ class GpuModel(DecodeGraphs, StepTools):
         n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 4 * S + MAX_KEYS_OUT   # _step_inputs' words
         self.ws.update(inp=g.empty((n_in,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
-                       attn_work=g.empty((ATTN_WORK // 4,), np.float32),
+                       attn_work=g.empty((attention_work_bytes(t, self.max_blocks, min(S, R)) // 4,), np.float32),
                        sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16),
                        zn=g.empty((S, H), BF16),
                        spare=g.empty((3 * PA_SPARE, H), BF16),       # _layer's fused router launch: unread rows

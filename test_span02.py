@@ -6621,6 +6621,34 @@ def test_kv_tokens_auto_size(tmp_path, monkeypatch):
     assert model_mod.load(span02.DEMO_DIR, device="cpu", kv_tokens=0).num_blocks == model_mod.CPU_KV_TOKENS // BLOCK
 
 
+def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
+    """The GPU model's split-attention scratch (model_gpu.attention_work_bytes) takes the largest decode bucket's rows
+    in one group (attention_gpu's group = (floats - 4) // a row's floats) at the full-size geometry's key bounds,
+    never less than ATTN_WORK, never more than ATTN_WORK_MAX (longer tables then run in groups)."""
+    import model_gpu
+    from decode_graphs import DECODE_BUCKETS
+    text = dict(bench.FULL_TEXT)
+    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention" for i in range(30)]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    t = config.load_model_config(str(tmp_path)).text
+
+    def group(max_len, rows):
+        mb = -(-max_len // BLOCK)
+        floats = model_gpu.attention_work_bytes(t, mb, rows) // 4
+        per = [t.heads * A.attention_slots(min(t.window, mb * BLOCK) if geo.sliding else mb * BLOCK) * (geo.head_dim + 2)
+               for geo in t.layers]
+        assert max(per) == 16 * (mb * BLOCK // A.ATTN_CHUNK + 1) * 514      # a global layer: 16 heads, D 512
+        return min((floats - 4) // p for p in per)
+
+    top = max(DECODE_BUCKETS)
+    assert group(8192, 512) == top == 256 and group(2304, 256) == 256       # the server's default, bench's decode
+    assert model_gpu.attention_work_bytes(t, 512, 512) == model_gpu.attention_work_bytes(t, 512, top)
+    assert model_gpu.attention_work_bytes(t, 4, 1) == model_gpu.ATTN_WORK                     # the floor
+    assert model_gpu.attention_work_bytes(t, 2048, 256) == model_gpu.ATTN_WORK_MAX            # 32k tables: capped
+    assert 0 < group(32768, 256) < 256
+
+
 def test_peer_full_size_geometry_on_meta(tmp_path):
     text = dict(bench.FULL_TEXT)
     text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention"
