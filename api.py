@@ -103,8 +103,17 @@ def parse_multipart(body: bytes, boundary: bytes) -> tuple:
 
 # --- JSON -> request objects --------------------------------------------------------------------------
 
+JSON_INT_DIGITS = 1000      # longest integer literal read (no field takes one near it; Python's own cap is 4300)
+
+
 def _reject_constant(c):
     raise ValueError(f"{c} is not JSON")
+
+
+def _parse_int(s):
+    if len(s.lstrip("-")) > JSON_INT_DIGITS:
+        raise ValueError(f"an integer of {len(s.lstrip('-'))} digits (at most {JSON_INT_DIGITS})")
+    return int(s)
 
 
 def parse_json(body: bytes):
@@ -113,7 +122,7 @@ def parse_json(body: bytes):
     except UnicodeDecodeError as e:
         raise ApiError(400, "bad_request", f"body is not valid UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         raise ApiError(400, "bad_request", "malformed JSON: nested too deeply") from None
     except ValueError as e:

@@ -2145,6 +2145,7 @@ WIRE_BAD = [  # (body, status, type, field)
     (b'{"questions": [{"text": "\xff\xfe", "choices": ["a", "b"]}]}', 400, "bad_request", None),
     (b"[" * 100000 + b"]" * 100000, 400, "bad_request", None),
     (b'{"questions": [{"text": "x", "choices": ["a", "b"]}], "deadline_ms": NaN}', 400, "bad_request", None),
+    (b'{"questions": [{"text": "x", "type": "scale", "min": 1, "max": ' + b"9" * 5000 + b"}]}", 400, "bad_request", None),
     ({"questions": [wire_question()], "colour": 1}, 422, "invalid_request", "colour"),
     (_wq(colour=1), 422, "invalid_request", "questions[0].colour"),
     ({"questions": [wire_question()], "policy": {"temperature": 1}}, 422, "invalid_request", "policy.temperature"),
@@ -2230,6 +2231,9 @@ def test_http_errors(wire_server):
     assert http_call(wire_server, body=b"{}", headers={"Content-Encoding": "br"})[0] == 415
     assert http_call(wire_server, body=b"{}", headers={"Content-Type": "application/json; charset=latin-1"})[0] == 415
     assert http_call(wire_server, body=b"{}", headers={"Content-Type": "multipart/form-data"})[0] == 400
+    assert http_call(wire_server, body={"questions": [wire_question()]}, headers={"Content-Type": ""})[0] == 200
+    st, err = http_call(wire_server, body=b'{"deadline_ms": ' + b"1" * 1001 + b"}")     # not Python's int-limit text
+    assert st == 400 and err["error"]["message"] == "malformed JSON: an integer of 1001 digits (at most 1000)", err
     out = raw_exchange(wire_server, b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 411 ") and b"length_required" in out
     out = raw_exchange(wire_server, b"GARBAGE\r\n\r\n")

@@ -7,7 +7,7 @@ the engine answers through a concurrent.futures.Future (design.md: HTTP loop and
 threads). A plain JSON body of at most INLINE_PARSE_BYTES is parsed on the loop thread itself: its ~0.1 ms of
 parsing stalls the other connections less than the pool's two thread hand-overs delay this request. Choices
 where api.md is silent:
-- no Content-Type is read as JSON; a JSON charset other than UTF-8 is 415;
+- no Content-Type (or an empty one) is read as JSON; a JSON charset other than UTF-8 is 415;
 - an oversized header block is 431 `too_large`; framing errors are 400 `bad_request`;
 - `--read-timeout` bounds the idle time between keep-alive requests, and a whole request (headers + body)
   from its first byte; a request cut mid-way gets 408 `timeout` and the connection is closed;
@@ -356,7 +356,7 @@ class Server:
         if enc not in ("identity", "gzip", "x-gzip", "zstd"):
             raise api.ApiError(415, "unsupported_media_type",
                                f"Content-Encoding {enc[:100]!r}: use identity, gzip or zstd")
-        mime, opts = parse_options_header(headers.get("content-type", "application/json"))
+        mime, opts = parse_options_header(headers.get("content-type", "").strip() or "application/json")
         mime = mime.decode("latin-1").lower()
         if mime == "application/json":
             if opts.get(b"charset", b"utf-8").lower() not in (b"utf-8", b"utf8"):
