@@ -2221,6 +2221,25 @@ def test_engine_errors(wire_server):
     assert http_call(wire_server, body={"questions": [wire_question()]})[0] == 200
 
 
+def test_head_requests(wire_server):
+    """HEAD on a GET path answers as the GET would, without a body (it had closed the connection unanswered: h11
+    refuses body bytes after a HEAD); on /v1/systemone it is a 405 without a body; the connection stays usable."""
+    c = http.client.HTTPConnection("127.0.0.1", wire_server.port, timeout=10)
+    for path, status, ctype in (("/health", 200, "application/json"), ("/metrics", 200, "text/plain"),
+                                ("/v1/systemone", 405, "application/json")):
+        c.request("HEAD", path)
+        r = c.getresponse()
+        assert (r.status, r.read()) == (status, b""), path
+        assert r.getheader("content-type").startswith(ctype) and int(r.getheader("content-length")) > 0, path
+        assert r.getheader("allow") == (None if status == 200 else "POST"), path
+    c.request("GET", "/health")                                            # the same connection, kept alive
+    r = c.getresponse()
+    assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    c.close()
+    r, _ = http_call(wire_server, "POST", "/health", body=b"{}", raw=True)
+    assert r.status == 405 and r.getheader("allow") == "GET, HEAD"
+
+
 def test_http_errors(wire_server):
     assert http_call(wire_server, "GET", "/nope")[1]["error"]["type"] == "not_found"
     r, _ = http_call(wire_server, "GET", "/v1/systemone", raw=True)

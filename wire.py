@@ -9,6 +9,7 @@ parsing stalls the other connections less than the pool's two thread hand-overs 
 where api.md is silent:
 - no Content-Type (or an empty one) is read as JSON; a JSON charset other than UTF-8 is 415;
 - an oversized header block is 431 `too_large`; framing errors are 400 `bad_request`;
+- HEAD on /health and /metrics answers as GET would, without the body; elsewhere it is a 405 without a body;
 - `--read-timeout` bounds the idle time between keep-alive requests, and a whole request (headers + body)
   from its first byte; a request cut mid-way gets 408 `timeout` and the connection is closed;
 - over `--max-connections`, a new connection gets 503 `unavailable` + Retry-After and is closed;
@@ -298,9 +299,9 @@ class Server:
                 raise api.ApiError(431, "too_large", "request header block too large")  # h11 checks only partial heads
             if path not in ROUTES:
                 raise api.ApiError(404, "not_found", f"no such path: {path[:200]}")
-            if method != ROUTES[path]:
-                raise api.ApiError(405, "method_not_allowed", f"{path} takes {ROUTES[path]}",
-                               headers=[("allow", ROUTES[path])])
+            allow = "GET, HEAD" if ROUTES[path] == "GET" else ROUTES[path]    # HEAD: GET's head, no body
+            if method not in allow.split(", "):
+                raise api.ApiError(405, "method_not_allowed", f"{path} takes {allow}", headers=[("allow", allow)])
             if path == "/health":
                 status, body = self._health()
             elif path == "/metrics":
@@ -334,7 +335,8 @@ class Server:
                 n += len(getattr(await self._read(conn, reader, st), "data", b""))
         except Exception:
             pass
-        await self._send(conn, writer, status, body, ctype, headers.get("accept-encoding", ""), extra, rid)
+        await self._send(conn, writer, status, body, ctype, headers.get("accept-encoding", ""), extra, rid,
+                         head=method == "HEAD")
         return status
 
     def _health(self):
@@ -449,7 +451,9 @@ class Server:
         except Exception:
             pass
 
-    async def _send(self, conn, writer, status, body, ctype, accept, extra, rid):
+    async def _send(self, conn, writer, status, body, ctype, accept, extra, rid, head=False):
+        """One response. head: the answer to a HEAD request: the headers the GET would get (its Content-Length
+        included), no body (h11 refuses body bytes there)."""
         hdrs = [("content-type", ctype), ("server", "span02")] + extra
         if rid:
             hdrs.append(("x-request-id", rid))
@@ -466,6 +470,6 @@ class Server:
             hdrs.append(("connection", "close"))
         hdrs.append(("content-length", str(len(body))))
         data = conn.send(h11.Response(status_code=status, headers=hdrs, reason=_REASONS.get(status, "")))
-        data += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        data += (b"" if head else conn.send(h11.Data(data=body))) + conn.send(h11.EndOfMessage())
         writer.write(data)
         await asyncio.wait_for(writer.drain(), self.cfg.read_timeout_s)
