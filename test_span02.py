@@ -2446,7 +2446,8 @@ def test_chunked_request(wire_server):
 def test_compressed_responses(wire_server):
     body = {"questions": [wire_question(choices=[rnd_text(60) for _ in range(10)]) for _ in range(4)]}
     for accept, enc in (("gzip, zstd", "zstd"), ("gzip", "gzip"), ("zstd;q=0, gzip;q=0.5", "gzip"), ("", None),
-                        ("identity", None)):
+                        ("identity", None), ("zstd;q=0.1, gzip;q=0.9", "gzip"), ("gzip;q=0.5, *", "zstd"),
+                        ("*;q=0.2, gzip;q=0.3", "gzip"), ("GZIP;Q=1", "gzip"), ("*;q=0", None), ("zstd;q=x", None)):
         r, data = http_call(wire_server, body=body, headers={"Accept-Encoding": accept}, raw=True)
         assert r.status == 200 and r.getheader("content-encoding") == enc
         if enc == "zstd":

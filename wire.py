@@ -101,21 +101,23 @@ def decode_body(raw: bytes, encoding: str, cap: int, counter=None) -> bytes:
 # --- HTTP ---------------------------------------------------------------------------------------------
 
 def _accepts(header: str) -> str:
+    """The coding of a response for the client's Accept-Encoding: of zstd and gzip the one it weights highest
+    (q-values; `*` stands for any coding it does not name; a weight that is not a number counts as 0), zstd on a
+    tie; identity when neither has a weight above 0."""
     q = {}
     for tok in header.lower().split(","):
-        name, _, params = tok.strip().partition(";")
+        name, *params = [p.strip() for p in tok.split(";")]
         w = 1.0
-        if params.strip().startswith("q="):
-            try:
-                w = float(params.strip()[2:])
-            except ValueError:
-                w = 0.0
-        q[name.strip()] = w
-    for enc in ("zstd", "gzip"):
-        if q.get(enc, q.get("*", 0.0)) > 0:
-            return enc
-    return "identity"
-
+        for p in params:
+            if p.startswith("q="):
+                try:
+                    w = float(p[2:])
+                except ValueError:
+                    w = 0.0
+        q[name] = w if w == w else 0.0                    # NaN: 0
+    weight = {enc: q.get(enc, q.get("*", 0.0)) for enc in ("zstd", "gzip")}
+    best = max(weight, key=weight.get)                     # the first of a tie: zstd
+    return best if weight[best] > 0 else "identity"
 
 
 class Server:
