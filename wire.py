@@ -375,7 +375,7 @@ class Server:
             raise api.ApiError(503, "unavailable", "the model is still loading", headers=[("retry-after", "5")])
         if conn.client_is_waiting_for_100_continue:
             writer = st["writer"]
-            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason="Continue")))
         raw = bytearray()
         while True:
             ev = await self._read(conn, reader, st)
