@@ -97,6 +97,9 @@ def engine_config(ns) -> EngineConfig:
             raise ConfigError(f"--think-cost {ns.think_cost}: {e}") from None
     if ns.spec_draft and not os.path.isdir(ns.spec_draft):
         raise ConfigError(f"--spec-draft {ns.spec_draft}: not a directory")
+    if ns.spec_draft or ns.spec_max_branches != 1:       # validated (issue 3), used once speculation exists
+        log.warning("--spec-draft / --spec-max-branches: speculative decoding is not built yet; the draft model is "
+                    "not loaded and every thought token comes from the model itself")
     try:
         return EngineConfig(
             model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,

@@ -14,6 +14,7 @@ import http.client
 import inspect
 import io
 import json
+import logging
 import math
 import os
 import random
@@ -6546,6 +6547,21 @@ def test_engine_config_refuses_values_it_cannot_serve(capsys):
         assert EngineConfig(model_dir="", think_cost=small, **kw).think_cost is small
     assert span02.main(["serve", "--bind", "127.0.0.1:0", "--kv-tokens", "-5"]) == 2
     assert "span02: kv-tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_speculation_flags_warn_that_they_are_unused(tmp_path, caplog):
+    """--spec-draft and --spec-max-branches are validated (issue 3) but nothing speculates yet: giving either logs a
+    warning saying so, instead of serving as if it had been taken; a draft path that is no directory is refused."""
+    from config import ConfigError
+    parse = lambda *a: span02.engine_config(span02.parser().parse_args(["serve", *a]))
+    with caplog.at_level(logging.WARNING, logger="span02"):
+        assert parse().spec_draft is None
+        assert not [r for r in caplog.records if "speculative" in r.getMessage()]
+        assert parse("--spec-draft", str(tmp_path)).spec_draft == str(tmp_path)
+        assert parse("--spec-max-branches", "3").spec_max_branches == 3
+    assert len([r for r in caplog.records if "speculative decoding is not built yet" in r.getMessage()]) == 2
+    with pytest.raises(ConfigError, match="not a directory"):
+        parse("--spec-draft", str(tmp_path / "nope"))
 
 
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
