@@ -101,7 +101,14 @@ class StepTools:
     def logits(self, token_ids, chunk=None, images=()) -> np.ndarray:
         """Post-softcap logits of every position of one sequence, computed in chunks of `chunk` tokens (None:
         one prefill). Uses blocks 0.. of the KV pool: for tools and tests, not while serving."""
-        ids = [int(t) for t in token_ids]
+        ids, V = [int(t) for t in token_ids], self.cfg.text.vocab
+        if not ids:
+            raise ValueError("no token ids: logits needs at least one")
+        bad = next((t for t in ids if not 0 <= t < V), None)       # numpy would wrap a negative id, the GPU read past
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0 .. {V - 1})")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk {chunk}: at least 1 token (None: one prefill)")
         need = math.ceil(len(ids) / BLOCK)
         if need > self.num_blocks:
             raise ValueError(f"{len(ids)} tokens need {need} KV blocks; the pool has {self.num_blocks}")

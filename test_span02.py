@@ -716,6 +716,20 @@ def test_chunked_prefill_and_decode_match_one_prefill():
         assert err < 1e-5
 
 
+def test_logits_refuses_ids_it_cannot_embed():
+    """span02.load().logits (the tools' entry) refuses what it cannot compute with a ValueError naming it: no ids, an id
+    outside the vocabulary (a negative one had wrapped silently to the table's end), a chunk below 1."""
+    m = span02.load()
+    V = m.cfg.text.vocab
+    ok = [int(t) for t in np.random.default_rng(11).integers(3, V, 6)]
+    for ids, words in (([], "no token ids"), (ok + [-1], "token id -1 is outside"), ([V] + ok, f"token id {V} is")):
+        with pytest.raises(ValueError, match=words):
+            m.logits(ids)
+    with pytest.raises(ValueError, match="chunk -2"):
+        m.logits(ok, chunk=-2)
+    assert m.logits(ok + [V - 1, 0]).shape == (8, V)
+
+
 def test_batched_step_matches_alone():
     """Rows of other sequences in the same step (prefill and decode mixed) change nothing."""
     m = span02.load()
