@@ -201,13 +201,17 @@ def model_config(d: dict) -> ModelConfig:
 
 def load_model_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        raise ConfigError(f"{model_dir} is a file: a model directory holds config.json and *.safetensors")
     try:
         with open(path) as f:
             d = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path} not found: a model directory holds config.json and *.safetensors") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:                                     # unreadable: permissions, a directory named config.json
+        raise ConfigError(f"{path}: {e.strerror or e}") from None
     try:
         return model_config(d)
     except KeyError as e:

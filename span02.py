@@ -157,7 +157,10 @@ def cmd_serve(ns):
     has_vision = load_model_config(cfg.model_dir).vision is not None     # config.json only: fast
     name = "span02-demo" if cfg.model_dir == DEMO_DIR else os.path.basename(os.path.normpath(cfg.model_dir))
     server = wire.Server(None, cfg, model_name=name, vision=has_vision)
-    server.bind(*ns.bind)              # bound first: /health says "loading" until the model is in
+    try:
+        server.bind(*ns.bind)          # bound first: /health says "loading" until the model is in
+    except OSError as e:               # the port in use, an address not this machine's, a privileged port
+        raise ConfigError(f"--bind {ns.bind[0]}:{ns.bind[1]}: {e.strerror or e}") from None
     log.info("listening on http://%s:%d", ns.bind[0], server.port)
     stop = threading.Event()
 

@@ -6578,6 +6578,31 @@ def test_speculation_flags_warn_that_they_are_unused(tmp_path, caplog):
         parse("--spec-draft", str(tmp_path / "nope"))
 
 
+def test_serve_names_a_bad_model_path_or_address(tmp_path, capsys):
+    """`span02.py serve` on a model path that is a file, a config.json it cannot read or decode, or an address it
+    cannot bind (here a port in use) prints one line naming it and exits 2 (each had ended in a traceback)."""
+    from config import ConfigError, load_model_config
+    f = tmp_path / "file"
+    f.write_text("x")
+    (tmp_path / "d1" / "config.json").mkdir(parents=True)
+    (tmp_path / "d2").mkdir()
+    (tmp_path / "d2" / "config.json").write_bytes(b'{"model_type": "\xff"}')          # not UTF-8
+    for d, words in ((f, "is a file"), (tmp_path / "d1", "config.json: Is a directory"), (tmp_path / "d2", "not valid")):
+        with pytest.raises(ConfigError, match=words):
+            load_model_config(str(d))
+    assert span02.main(["serve", "--model", str(f), "--bind", "127.0.0.1:0"]) == 2
+    assert capsys.readouterr().err.startswith(f"span02: {f} is a file")
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    try:
+        port = held.getsockname()[1]
+        assert span02.main(["serve", "--bind", f"127.0.0.1:{port}"]) == 2
+        assert capsys.readouterr().err.strip() == f"span02: --bind 127.0.0.1:{port}: Address already in use"
+    finally:
+        held.close()
+
+
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
     """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
     whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
