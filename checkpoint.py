@@ -340,15 +340,23 @@ class Checkpoint(Tensors):
             path = os.path.join(self.path, fn)
             if not os.path.exists(path):
                 raise CheckpointError(f'missing file {path}')
+            size = os.path.getsize(path)
             with open(path, 'rb') as f:
                 n = int.from_bytes(f.read(8), 'little')
-                header = json.loads(f.read(n))
+                if not 2 <= n <= size - 8:
+                    raise CheckpointError(f'{path}: not a safetensors file (a header of {n} bytes in {size})')
+                try:
+                    header = json.loads(f.read(n))
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise CheckpointError(f'{path}: not a safetensors file (its header: {e})') from None
             header.pop('__metadata__', None)
             self._mm[fn] = np.memmap(path, np.uint8, 'r')
             for name, e in header.items():
                 dt, shape, (a, b) = DTYPES.get(e['dtype']), tuple(e['shape']), e['data_offsets']
                 if dt is None or b - a != int(np.prod(shape)) * dt.itemsize:
                     raise CheckpointError(f'tensor {name} in {fn}: bad dtype {e["dtype"]} or size for {shape}')
+                if 8 + n + b > size:
+                    raise CheckpointError(f'{path}: truncated ({size} bytes; tensor {name} ends at {8 + n + b})')
                 index[name] = (e['dtype'], shape)
                 self._loc[name] = (fn, 8 + n + a, 8 + n + b)
         if weight_map is not None:

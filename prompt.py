@@ -114,7 +114,10 @@ class Stem:
 class Prompter:
     def __init__(self, model_dir: str):
         path = os.path.join(model_dir, "tokenizer.json")
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:                          # tokenizers raises a bare Exception: missing, not JSON, ...
+            raise PromptError(f"{path}: cannot read the tokenizer: {e}") from None
         self._ids = {}
         for name in NEEDED:
             if (i := self.tok.token_to_id(name)) is None:

@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 
+from checkpoint import CheckpointError
 from config import ConfigError, CostTableError, EngineConfig, PolicyConfig
+from prompt import PromptError
 
 log = logging.getLogger("span02")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
@@ -173,7 +175,12 @@ def cmd_serve(ns):
     signal.signal(signal.SIGINT, on_signal)
     serving = threading.Thread(target=server.run, name="wire", daemon=True)
     serving.start()
-    m, prompter = _load_engine_parts(cfg)
+    try:
+        m, prompter = _load_engine_parts(cfg)
+    except BaseException:              # a model directory it cannot load: close the socket, then say why (main)
+        server.shutdown(timeout=1.0)
+        serving.join(5.0)
+        raise
     m.name = name
     eng = engine_mod.Engine(m, prompter, cfg, encode_image=m.encode_image if m.vision else None)
     eng.start()
@@ -211,7 +218,7 @@ def main(argv=None):
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"serve": cmd_serve, "make-demo": cmd_make_demo, "calibrate": cmd_calibrate}[ns.command](ns)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, PromptError) as e:     # the command line's or the model directory's fault
         print(f"span02: {e}", file=sys.stderr)
         return 2
 

@@ -6603,6 +6603,36 @@ def test_serve_names_a_bad_model_path_or_address(tmp_path, capsys):
         held.close()
 
 
+def test_serve_names_a_model_directory_it_cannot_load(tmp_path, capsys):
+    """A model directory without its tokenizer, with a safetensors file cut inside its header or inside its data, or
+    with none: `span02.py serve` closes its socket, prints one line naming the file and exits 2 (each had ended in a
+    traceback, three of them after the server was listening)."""
+    cases = {"notok": "tokenizer.json: cannot read the tokenizer", "head": "not a safetensors file",
+             "data": "model.safetensors: truncated", "none": "no *.safetensors in"}
+    for name, words in cases.items():
+        d = tmp_path / name
+        shutil.copytree(span02.DEMO_DIR, d)
+        st = d / "model.safetensors"
+        if name == "notok":
+            (d / "tokenizer.json").unlink()
+        elif name == "none":
+            st.unlink()
+        else:
+            raw = st.read_bytes()
+            st.write_bytes(raw[:1000] if name == "head" else raw[:len(raw) * 9 // 10])
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        assert span02.main(["serve", "--model", str(d), "--bind", f"127.0.0.1:{port}", "--device", "cpu"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("span02: ") and words in err and "Traceback" not in err, (name, err)
+        again = socket.socket()                          # the server's socket is closed: the port binds again
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", port))
+        again.close()
+
+
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
     """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
     whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
