@@ -194,17 +194,37 @@ def cmd_serve(ns):
 
 def cmd_make_demo(ns):
     from demo import make_demo
-    print(make_demo(ns.dir))
+    if os.path.exists(ns.dir) and (not os.path.isdir(ns.dir) or os.listdir(ns.dir)):
+        raise ConfigError(f"make-demo {ns.dir}: " + ("a file" if not os.path.isdir(ns.dir) else "not empty") +
+                          "; the demo's config.json, model.safetensors and tokenizer files go to a new or empty "
+                          "directory (an existing model's would be overwritten)")
+    try:
+        print(make_demo(ns.dir))
+    except OSError as e:
+        raise ConfigError(f"make-demo {ns.dir}: {e.strerror or e}") from None
     return 0
+
+
+def _writable(path):
+    """ConfigError unless `path` can be written as a file (checked before the work whose result goes there)."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(d) or not os.access(d, os.W_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--out {path}: cannot write a file there")
 
 
 def cmd_calibrate(ns):
     import engine as engine_mod
     cfg = engine_config(ns)
+    _writable(ns.out)
     m, _ = _load_engine_parts(cfg)
     table = engine_mod.calibrate(m, cfg)
-    with open(ns.out, "w") as f:
-        json.dump(table, f, indent=2)
+    try:
+        with open(ns.out, "w") as f:
+            json.dump(table, f, indent=2)
+    except OSError as e:                 # gone since the start: the table is not lost, it goes to stdout
+        print(json.dumps(table, indent=2))
+        raise ConfigError(f"--out {ns.out}: {e.strerror or e}; the table is on stdout above") from None
     print(f"wrote {ns.out}")
     return 0
 

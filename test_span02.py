@@ -6633,6 +6633,31 @@ def test_serve_names_a_model_directory_it_cannot_load(tmp_path, capsys):
         again.close()
 
 
+def test_make_demo_and_calibrate_refuse_paths_before_their_work(tmp_path, capsys, monkeypatch):
+    """`make-demo DIR` writes only into a new or empty directory (a model's files there would be overwritten: it had
+    overwritten them silently) and names a file or a path it cannot make; `calibrate --out FILE` checks FILE's
+    directory before it loads and times anything (a path it could not write had ended in a traceback after the
+    whole calibration)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"mine": 1}')
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    for d, words in ((model_dir, "not empty"), (a_file, "a file")):
+        assert span02.main(["make-demo", str(d)]) == 2
+        assert f"span02: make-demo {d}: {words}" in capsys.readouterr().err
+    assert (model_dir / "config.json").read_text() == '{"mine": 1}' and a_file.read_text() == "x"
+    (tmp_path / "empty").mkdir()
+    for d in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        assert span02.main(["make-demo", str(d)]) == 0
+        assert sorted(os.listdir(d)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    capsys.readouterr()
+    monkeypatch.setattr(span02, "_load_engine_parts", lambda cfg: pytest.fail("loaded before checking --out"))
+    for out in (tmp_path / "no" / "t.json", tmp_path):
+        assert span02.main(["calibrate", "--out", str(out)]) == 2
+        assert f"span02: --out {out}: cannot write a file there" in capsys.readouterr().err
+
+
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
     """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
     whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
