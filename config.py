@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -277,6 +278,11 @@ class EngineConfig:
             (self.max_queue >= 1 and self.max_connections >= 1, "max-queue and max-connections must be >= 1"),
             (self.max_body_bytes > 0 and self.max_decoded_bytes > 0 and self.max_image_pixels > 0,
              "size limits must be positive"),
+            (self.max_questions >= 1, "max-questions must be at least 1"),
+            (self.max_images >= 0, "max-images must be >= 0"),
+            (all(math.isfinite(v) for v in (p.tau, p.think_ms, p.budget_ms, self.deadline_ms, self.read_timeout_s)),
+             "tau, think-ms, budget-ms, deadline-ms and read-timeout must be finite numbers"),
+            (self.read_timeout_s > 0, "read-timeout must be above 0 seconds"),
         ]
         for ok, msg in checks:
             if not ok:

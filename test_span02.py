@@ -6552,7 +6552,10 @@ def test_engine_config_refuses_values_it_cannot_serve(capsys):
            ({"image_soft_tokens": 100}, "image-soft-tokens"), ({"max_queue": 0}, "max-queue"),
            ({"policy": PolicyConfig(tau=-0.1)}, "tau"), ({"policy": PolicyConfig(think_ms=5.0)}, "think-cost"),
            ({"think_cost": dict(small, context=[512, 64])}, "ascending"),
-           ({"think_cost": small, "max_batch": 32}, "batches end at 16")]
+           ({"think_cost": small, "max_batch": 32}, "batches end at 16"), ({"max_questions": 0}, "max-questions"),
+           ({"max_images": -1}, "max-images"), ({"read_timeout_s": 0.0}, "read-timeout must be above"),
+           ({"read_timeout_s": float("nan")}, "finite"), ({"policy": PolicyConfig(budget_ms=float("inf"))}, "finite"),
+           ({"deadline_ms": float("inf")}, "finite")]
     for kw, words in bad:
         with pytest.raises(ConfigError, match=words):
             EngineConfig(model_dir="", **kw)
