@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from checkpoint import save_safetensors, span02_quantization_config
+from checkpoint import CheckpointError, save_safetensors, span02_quantization_config
 
 FULL_TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
@@ -102,10 +102,21 @@ def _nvfp4(rng, e_rows, k):
 
 # --- the writer ------------------------------------------------------------------------------------------
 
+BENCH_MARK = ".span02-bench-checkpoint"    # the writer's mark in its directory (write_random_checkpoint)
+
+
 def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
     """Write the full-size random span-02 checkpoint (config.json, shards, index, and the demo's tokenizer so
-    that the server can run on it). Returns the total bytes written."""
+    that the server can run on it). Returns the total bytes written. Only into a new or empty directory, or one this
+    writer marked (BENCH_MARK, written first, so an interrupted write can be redone): a model's files elsewhere
+    would be overwritten with random ones (CheckpointError)."""
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or (
+            os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, BENCH_MARK)))):
+        raise CheckpointError(f"{out_dir}: " + ("a file" if not os.path.isdir(out_dir) else "not empty and not a "
+                              "checkpoint of bench.py") + "; the random checkpoint goes to a new or empty directory")
     os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, BENCH_MARK), "w") as f:
+        f.write("a random full-size span-02 checkpoint of bench.py write_random_checkpoint: not a model\n")
     text = dict(FULL_TEXT, num_hidden_layers=layers)
     types = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
     text["layer_types"] = types
@@ -531,14 +542,19 @@ def main(argv=None):
                                                    "(e.g. '--device cpu --context 64' for tests)")
     r.add_argument("--peer-timeout", type=float, default=480.0, help="seconds (default %(default)s)")
     ns = ap.parse_args(argv)
-    if ns.cmd == "write":
-        write_random_checkpoint(ns.dir, ns.layers, vision=not ns.no_vision)
-        return 0
-    import shlex
-    res = run(ns.dir, peer=ns.peer, model=not ns.skip_model, server=not ns.skip_server, profile=not ns.no_profile,
-              device=ns.device, requests=ns.requests, cap=ns.cap, readout_repeats=ns.readout_repeats,
-              server_kv_tokens=ns.server_kv_tokens, peer_args=shlex.split(ns.peer_args),
-              peer_timeout=ns.peer_timeout)
+    try:
+        if ns.cmd == "write":
+            write_random_checkpoint(ns.dir, ns.layers, vision=not ns.no_vision)
+            return 0
+        import shlex
+        res = run(ns.dir, peer=ns.peer, model=not ns.skip_model, server=not ns.skip_server,
+                  profile=not ns.no_profile, device=ns.device, requests=ns.requests, cap=ns.cap,
+                  readout_repeats=ns.readout_repeats,
+                  server_kv_tokens=ns.server_kv_tokens, peer_args=shlex.split(ns.peer_args),
+                  peer_timeout=ns.peer_timeout)
+    except CheckpointError as e:
+        print(f"bench.py: {e}", file=sys.stderr)
+        return 2
     return 1 if res.get("errors") else 0
 
 

@@ -6661,6 +6661,33 @@ def test_make_demo_and_calibrate_refuse_paths_before_their_work(tmp_path, capsys
         assert f"span02: --out {out}: cannot write a file there" in capsys.readouterr().err
 
 
+def test_bench_writes_its_random_checkpoint_only_where_it_may(tmp_path, capsys, monkeypatch):
+    """bench.py's writer (`write`, and `run` on a directory without config.json) refuses a file and a non-empty
+    directory it did not mark (a model's shards there would be overwritten with random ones, 16 GB of them), exit 2
+    with one line; an empty or marked directory gets the mark first and the write goes on."""
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    model_dir, a_file = tmp_path / "model", tmp_path / "f"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"mine")
+    a_file.write_text("x")
+    for d, words in ((model_dir, "not empty and not a checkpoint of bench.py"), (a_file, "a file")):
+        for argv in (["write", str(d)], ["run", str(d), "--skip-server"]):
+            assert bench.main(argv) == 2, argv
+            assert capsys.readouterr().err == f"bench.py: {d}: {words}; the random checkpoint goes to a new or " \
+                                              "empty directory\n"
+    assert (model_dir / "model.safetensors").read_bytes() == b"mine" and a_file.read_text() == "x"
+    monkeypatch.setattr(bench, "_bf16", stop)                # past the guard: stop before the 16 GB
+    for d in (tmp_path / "new", tmp_path / "new"):          # the second time: marked, not empty
+        with pytest.raises(Stop):
+            bench.write_random_checkpoint(str(d), log=lambda *a: None)
+        assert (d / bench.BENCH_MARK).exists()
+
+
 def test_serve_refuses_a_think_cost_table_it_cannot_use(tmp_path, capsys):
     """`span02.py serve --think-cost FILE` checks the table before it binds or loads anything: a malformed one, or one
     whose batches end below the batch the engine prices a step at (--max-batch; 1 under --serial: beyond its last
