@@ -2255,6 +2255,25 @@ def test_head_requests(wire_server):
     assert r.status == 405 and r.getheader("allow") == "GET, HEAD"
 
 
+def test_access_log(wire_server, caplog):
+    """One span02.access line a request as its response goes out: client, method, path, status, ms, body bytes, request id (the
+    x-request-id header); /v1/systemone at INFO, /health and /metrics at DEBUG."""
+    with caplog.at_level(logging.INFO, logger="span02.access"):
+        r, data = http_call(wire_server, body={"questions": [wire_question()]}, raw=True)
+        st, _ = http_call(wire_server, body={"questions": []})
+        assert http_call(wire_server, "GET", "/health")[0] == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "span02.access"]
+    rid = r.getheader("x-request-id")
+    assert r.status == 200 and st == 422 and len(lines) == 2, lines
+    assert re.fullmatch(rf"127\.0\.0\.1 POST /v1/systemone 200 [0-9.]+ ms {len(data)} B {rid}", lines[0]), lines
+    assert re.fullmatch(r"127\.0\.0\.1 POST /v1/systemone 422 [0-9.]+ ms [0-9]+ B req-[0-9a-f]{16}", lines[1]), lines
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="span02.access"):
+        assert http_call(wire_server, "GET", "/health")[0] == 200
+    assert [rec.getMessage().split()[1:4] for rec in caplog.records if rec.name == "span02.access"] == [
+        ["GET", "/health", "200"]]
+
+
 def test_http_errors(wire_server):
     assert http_call(wire_server, "GET", "/nope")[1]["error"]["type"] == "not_found"
     r, _ = http_call(wire_server, "GET", "/v1/systemone", raw=True)

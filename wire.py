@@ -18,7 +18,9 @@ where api.md is silent:
 - a client that closes (or half-closes) its side while waiting is gone: the engine's future is cancelled
   and the answer dropped;
 - while draining, /health answers 503 {"status": "draining"}; responses carry `x-request-id`, the id a
-  500 is logged under.
+  500 is logged under;
+- each request is logged as its response goes out (logger span02.access: client, method, path, status, ms, body bytes
+  before compression, request id), at INFO for /v1/systemone and DEBUG for the rest; `--log-level warning` silences it.
 """
 import asyncio
 import concurrent.futures
@@ -41,6 +43,7 @@ from python_multipart.multipart import parse_options_header
 import api
 
 log = logging.getLogger("span02.wire")
+access = logging.getLogger("span02.access")    # a line a request: INFO for /v1/systemone, DEBUG for the probes
 CHUNK = 64 << 10                 # read / inflate granularity
 COMPRESS_MIN = 1024              # responses over this many bytes are compressed when allowed
 INLINE_PARSE_BYTES = 16 << 10    # plain JSON bodies up to this size are parsed on the loop thread (BENCHMARKS.md)
@@ -321,6 +324,7 @@ class Server:
             status, body, extra = e.status, api.error_body(e), e.headers
         except _Gone:
             self.metrics.request(endpoint, 499, time.monotonic() - arrival)
+            self._access(writer, method, path, 499, arrival, 0, rid)
             raise
         except asyncio.TimeoutError:
             status, body = 408, api.error_body(api.ApiError(408, "timeout", "request body not received in time"))
@@ -337,9 +341,19 @@ class Server:
                 n += len(getattr(await self._read(conn, reader, st), "data", b""))
         except Exception:
             pass
+        # logged before the send, so that a client holding its response finds the line written
+        self._access(writer, method, path, status, arrival, len(body), rid)
         await self._send(conn, writer, status, body, ctype, headers.get("accept-encoding", ""), extra, rid,
                          head=method == "HEAD")
         return status
+
+    @staticmethod
+    def _access(writer, method, path, status, arrival, nbytes, rid):
+        level = logging.INFO if path == "/v1/systemone" else logging.DEBUG
+        if access.isEnabledFor(level):
+            peer = writer.get_extra_info("peername")
+            access.log(level, "%s %s %s %d %.1f ms %d B %s", peer[0] if peer else "-", method, path[:200], status,
+                       (time.monotonic() - arrival) * 1e3, nbytes, rid)
 
     def _health(self):
         if self.engine is None:
