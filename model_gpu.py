@@ -84,8 +84,8 @@ def attention_work_bytes(t, max_blocks, rows):
     wide tables (decode_graphs._decode_body's max_keys), within [ATTN_WORK, ATTN_WORK_MAX]. With max_len 8192 a
     row of a global layer (16 heads, D = 512) takes 4.2 MB: 256 MB held 63 rows, so a batch-256 step ran those
     layers in 5 groups (439 launches a step in place of 399). In one group (H200, 1k context, 4 alternating rounds,
-    the same output bytes) b64 / 128 / 192 / 256 steps took 13.339 / 19.625 / 25.356 / 30.375 -> 13.235 / 19.383 /
-    25.031 / 30.154 ms (BENCHMARKS.md, fifty-second session)."""
+    the same output bytes) b64 / 128 / 192 steps took 13.339 / 19.625 / 25.356 -> 13.235 / 19.383 / 25.031 ms, faster
+    in every round; b256 30.375 -> 30.154, faster in two rounds of four (BENCHMARKS.md, fifty-second session)."""
     rows = max(1, min(rows, max(DECODE_BUCKETS)))
     per_row = max(t.heads * attention.attention_slots(
         min(t.window, max_blocks * BLOCK) if geo.sliding else max_blocks * BLOCK) * (geo.head_dim + 2) * 4
