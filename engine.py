@@ -415,4 +415,5 @@ def calibrate(model, cfg, repeats: int = 3, seed: int = 0) -> dict:
                 times.append((time.perf_counter() - t) * 1000.0)
             row.append(round(statistics.median(times[1:]), 4))
         ms.append(row)
+        log.info("calibrate: batch %d of %d: %s ms at contexts %s", b, batches[-1], row, contexts)
     return {"device": model.device, "model": model.name, "batch": batches, "context": contexts, "ms": ms}

@@ -1937,9 +1937,13 @@ def test_engine_step_gpu_wait_metric(demo_prompter):
     assert "prompt_step_replays" not in plain.metrics_snapshot()
 
 
-def test_calibrate_table(demo_prompter):
-    t = calibrate(random_model(), EngineConfig(model_dir="", max_len=300, max_batch=4), repeats=1)
+def test_calibrate_table(demo_prompter, caplog):
+    with caplog.at_level(logging.INFO, logger="span02.engine"):
+        t = calibrate(random_model(), EngineConfig(model_dir="", max_len=300, max_batch=4), repeats=1)
     assert t["batch"] == [1, 2, 4] and t["context"] == [256, 300] and check_cost_table(t)
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("calibrate: ")]
+    assert progress == [f"calibrate: batch {b} of 4: {row} ms at contexts [256, 300]"               # a line a row
+                        for b, row in zip(t["batch"], t["ms"])]
 
 
 # ====================================================================================================
