@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from checkpoint import CheckpointError, save_safetensors, span02_quantization_config
+from checkpoint import CheckpointError, save_safetensors, span02_quantization_config, unfit_output_dir
 
 FULL_TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
@@ -110,10 +110,9 @@ def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
     that the server can run on it). Returns the total bytes written. Only into a new or empty directory, or one this
     writer marked (BENCH_MARK, written first, so an interrupted write can be redone): a model's files elsewhere
     would be overwritten with random ones (CheckpointError)."""
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or (
-            os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, BENCH_MARK)))):
-        raise CheckpointError(f"{out_dir}: " + ("a file" if not os.path.isdir(out_dir) else "not empty and not a "
-                              "checkpoint of bench.py") + "; the random checkpoint goes to a new or empty directory")
+    if why := unfit_output_dir(out_dir, BENCH_MARK):
+        raise CheckpointError(f"{out_dir}: {why}" + (" and not a checkpoint of bench.py" if why == "not empty" else "")
+                              + "; the random checkpoint goes to a new or empty directory")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, BENCH_MARK), "w") as f:
         f.write("a random full-size span-02 checkpoint of bench.py write_random_checkpoint: not a model\n")

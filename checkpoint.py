@@ -386,6 +386,16 @@ class InMemoryCheckpoint(Tensors):
 
 # --- writing: the span-02 layout ------------------------------------------------------------------------
 
+def unfit_output_dir(path, mark=None):
+    """Why `path` may not take a model directory written afresh, or None when it may: "a file", or "not empty"
+    for a directory with files and without the writer's `mark` file (an existing model's would be overwritten)."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return "a file"
+    return "not empty" if os.listdir(path) and not (mark and os.path.exists(os.path.join(path, mark))) else None
+
+
 def save_safetensors(path, tensors, metadata=None):
     """Deterministic safetensors file (safetensors sorts by dtype alignment, then name); ml_dtypes arrays
     are written as BF16 / F8_E4M3. save_file reads each array's memory as is, so make it C-contiguous."""

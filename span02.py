@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, unfit_output_dir
 from config import ConfigError, CostTableError, EngineConfig, PolicyConfig
 from prompt import PromptError
 
@@ -194,10 +194,9 @@ def cmd_serve(ns):
 
 def cmd_make_demo(ns):
     from demo import make_demo
-    if os.path.exists(ns.dir) and (not os.path.isdir(ns.dir) or os.listdir(ns.dir)):
-        raise ConfigError(f"make-demo {ns.dir}: " + ("a file" if not os.path.isdir(ns.dir) else "not empty") +
-                          "; the demo's config.json, model.safetensors and tokenizer files go to a new or empty "
-                          "directory (an existing model's would be overwritten)")
+    if why := unfit_output_dir(ns.dir):
+        raise ConfigError(f"make-demo {ns.dir}: {why}; the demo's config.json, model.safetensors and tokenizer files "
+                          "go to a new or empty directory (an existing model's would be overwritten)")
     try:
         print(make_demo(ns.dir))
     except OSError as e:

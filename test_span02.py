@@ -4829,7 +4829,7 @@ def test_gpu_demo_image_rows(demo_pair):
     e = _pos_err(got, ref)
     print(f"demo gpu vs numpy with 2 images ({len(ids)} tokens): {_err_line(e)}")
     assert np.isfinite(got).all() and np.median(e) < 0.05 and np.quantile(e, 0.9) < 0.1
-    a, n = ims[1].start, len(ims[1].embeds)
+    a = ims[1].start
     moved = ims[1].embeds.copy()
     moved[-1] = rng.standard_normal(moved.shape[1]).astype(np.float32) * np.abs(moved).max()
     other = dev.logits(ids, images=(ims[0], ImageRows(a, moved)))
