@@ -102,6 +102,11 @@ def _nvfp4(rng, e_rows, k):
 
 # --- the writer ------------------------------------------------------------------------------------------
 
+def layer_types(layers):
+    """Gemma-4 26B-A4B's attention pattern: every sixth layer full, and the last; the others sliding."""
+    return ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
+
+
 BENCH_MARK = ".span02-bench-checkpoint"    # the writer's mark in its directory (write_random_checkpoint)
 
 
@@ -117,8 +122,7 @@ def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
     with open(os.path.join(out_dir, BENCH_MARK), "w") as f:
         f.write("a random full-size span-02 checkpoint of bench.py write_random_checkpoint: not a model\n")
     text = dict(FULL_TEXT, num_hidden_layers=layers)
-    types = ["full_attention" if (i + 1) % 6 == 0 or i == layers - 1 else "sliding_attention" for i in range(layers)]
-    text["layer_types"] = types
+    text["layer_types"] = types = layer_types(layers)
     rng = np.random.default_rng(seed)
     p = "model.language_model."
     H, I, E, Ie, V = 2816, 2112, 128, 704, 262144

@@ -6767,16 +6767,20 @@ def test_peer_config_translation():
         text["num_experts"], 2 * text["moe_intermediate_size"], H)
 
 
+def _write_full_size_config(d):
+    """config.json of the full-size text model (bench.py's geometry, 30 layers) in the directory d."""
+    text = dict(bench.FULL_TEXT, layer_types=bench.layer_types(bench.FULL_TEXT["num_hidden_layers"]))
+    with open(d / "config.json", "w") as f:
+        json.dump({"model_type": "gemma4", "text_config": text}, f)
+
+
 def test_kv_tokens_auto_size(tmp_path, monkeypatch):
     """--kv-tokens 0 (the default): the GPU model's KV pool takes KV_AUTO_FRACTION of the memory free after weights and
     workspaces less KV_AUTO_RESERVE, whole blocks, at most max_batch x max_len positions (the engine passes that cap),
     and a clear ConfigError when fewer than KV_AUTO_MIN fit; the CPU model gets 16,384. A full-size position is the
     README's 225,280 bytes."""
     import model_gpu
-    text = dict(bench.FULL_TEXT)
-    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention" for i in range(30)]
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    _write_full_size_config(tmp_path)
     cfg = config.load_model_config(str(tmp_path))
     per = model_gpu.kv_position_bytes(cfg)
     assert per == 225_280
@@ -6814,10 +6818,7 @@ def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
     never less than ATTN_WORK, never more than ATTN_WORK_MAX (longer tables then run in groups)."""
     import model_gpu
     from decode_graphs import DECODE_BUCKETS
-    text = dict(bench.FULL_TEXT)
-    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention" for i in range(30)]
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    _write_full_size_config(tmp_path)
     t = config.load_model_config(str(tmp_path)).text
 
     def group(max_len, rows):
@@ -6837,11 +6838,7 @@ def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
 
 
 def test_peer_full_size_geometry_on_meta(tmp_path):
-    text = dict(bench.FULL_TEXT)
-    text["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i == 29 else "sliding_attention"
-                           for i in range(30)]
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump({"model_type": "gemma4", "text_config": text}, f)
+    _write_full_size_config(tmp_path)
     model, info = bench_peer.build(str(tmp_path), device="meta", log=lambda *a: None)
     assert 46.5 < info["params_gib"] < 47.5 and info["attn"] == "sdpa"
     assert model.lm_head.weight is model.model.embed_tokens.weight
