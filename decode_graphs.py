@@ -23,6 +23,12 @@ PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: 
 MAX_KEYS_OUT = 26              # option keys A..Z
 
 
+def decode_max_keys(t, geo, max_blocks):
+    """The key bound a decode step's attention runs a layer with (fixed per layer type, so a graph serves every
+    step): the window on sliding layers, else the whole max_blocks-wide table (the launcher's default)."""
+    return min(t.window, max_blocks * BLOCK) if geo.sliding else max_blocks * BLOCK
+
+
 class DecodeGraphs:
     """GpuModel's decode graphs: made by capture_decode_graphs at load (decode_graphs, _dec, graph_launches,
     stats), used by step through _decode_bucket / _decode_step."""
@@ -95,8 +101,8 @@ class DecodeGraphs:
         for i, (w, geo) in enumerate(zip(self.layers, t.layers)):
             # spans None: decode rows carry no image block (the eager step passes all-unused spans: same key
             # ranges); max_keys fixed per layer type (the launcher's default for a max_blocks-wide table)
-            mk = min(t.window, self.max_blocks * BLOCK) if geo.sliding else self.max_blocks * BLOCK
-            self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None, max_keys=mk, decode=True)
+            self._layer(i, w, geo, B, d["pos"], d["rows_seq"], d["tables"], None,
+                        max_keys=decode_max_keys(t, geo, self.max_blocks), decode=True)
         logits = self._v("logits", B, t.vocab, dtype=np.float32)  # all B rows: the eager gather is exact
         self._head_launches(x, logits, d["am"], d["keys"], d["lse"], d["keys_out"])
 

@@ -39,7 +39,7 @@ from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
-from decode_graphs import DECODE_BUCKETS, MAX_KEYS_OUT, DecodeGraphs
+from decode_graphs import DECODE_BUCKETS, MAX_KEYS_OUT, DecodeGraphs, decode_max_keys
 from model import SeqOut, StepTools
 from step_plans import StepPlans
 
@@ -80,16 +80,15 @@ def auto_kv_tokens(cfg, free_bytes, cap):
 
 def attention_work_bytes(t, max_blocks, rows):
     """Bytes of float32 scratch for the split attention of `rows` decode rows (at most the largest decode bucket) in
-    one group: each row's partials (layers.attention.attention_slots) at its layer type's key bound, max_blocks
-    wide tables (decode_graphs._decode_body's max_keys), within [ATTN_WORK, ATTN_WORK_MAX]. With max_len 8192 a
+    one group: each row's partials (layers.attention.split_row_floats) at its layer type's decode key bound
+    (decode_graphs.decode_max_keys), within [ATTN_WORK, ATTN_WORK_MAX]. With max_len 8192 a
     row of a global layer (16 heads, D = 512) takes 4.2 MB: 256 MB held 63 rows, so a batch-256 step ran those
     layers in 5 groups (439 launches a step in place of 399). In one group (H200, 1k context, 4 alternating rounds,
     the same output bytes) b64 / 128 / 192 steps took 13.339 / 19.625 / 25.356 -> 13.235 / 19.383 / 25.031 ms, faster
     in every round; b256 30.375 -> 30.154, faster in two rounds of four (BENCHMARKS.md, fifty-second session)."""
     rows = max(1, min(rows, max(DECODE_BUCKETS)))
-    per_row = max(t.heads * attention.attention_slots(
-        min(t.window, max_blocks * BLOCK) if geo.sliding else max_blocks * BLOCK) * (geo.head_dim + 2) * 4
-        for geo in t.layers)
+    per_row = 4 * max(attention.split_row_floats(t.heads, decode_max_keys(t, geo, max_blocks), geo.head_dim)
+                      for geo in t.layers)
     return min(ATTN_WORK_MAX, max(ATTN_WORK, rows * per_row + 16))
 
 

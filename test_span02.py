@@ -6817,15 +6817,14 @@ def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
     in one group (attention_gpu's group = (floats - 4) // a row's floats) at the full-size geometry's key bounds,
     never less than ATTN_WORK, never more than ATTN_WORK_MAX (longer tables then run in groups)."""
     import model_gpu
-    from decode_graphs import DECODE_BUCKETS
+    from decode_graphs import DECODE_BUCKETS, decode_max_keys
     _write_full_size_config(tmp_path)
     t = config.load_model_config(str(tmp_path)).text
 
     def group(max_len, rows):
         mb = -(-max_len // BLOCK)
         floats = model_gpu.attention_work_bytes(t, mb, rows) // 4
-        per = [t.heads * A.attention_slots(min(t.window, mb * BLOCK) if geo.sliding else mb * BLOCK) * (geo.head_dim + 2)
-               for geo in t.layers]
+        per = [A.split_row_floats(t.heads, decode_max_keys(t, geo, mb), geo.head_dim) for geo in t.layers]
         assert max(per) == 16 * (mb * BLOCK // A.ATTN_CHUNK + 1) * 514      # a global layer: 16 heads, D 512
         return min((floats - 4) // p for p in per)
 

@@ -236,6 +236,12 @@ def attention_slots(max_keys):
     return (max_keys + ATTN_CHUNK - 1) // ATTN_CHUNK + 1
 
 
+def split_row_floats(Hq, max_keys, D):
+    """float32 scratch of one row on the split path: per query head and chunk slot, its m, l and D accumulators
+    (attention_gpu's `work` holds a group of such rows + 4)."""
+    return Hq * attention_slots(max_keys) * (D + 2)
+
+
 def attention_work(g, rows, Hq, D, max_keys):
     """Scratch (float32) for attention_gpu over `rows` rows: per (row, head, chunk slot) m, l and acc[D]
     (only the split path, T <= ATTN_SPLIT_ROWS, uses it)."""
@@ -308,7 +314,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if max_keys is None:
         max_keys = min(MB * BLOCK, window) if (sliding and use_spans is None) else MB * BLOCK
     slots = attention_slots(int(max_keys))
-    per_row = Hq * slots * (D + 2)                      # float32 scratch per row (split path)
+    per_row = split_row_floats(Hq, int(max_keys), D)    # float32 scratch per row (split path)
     if T == 0:
         return False
     G = Hq // Hkv
