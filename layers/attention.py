@@ -245,7 +245,7 @@ def split_row_floats(Hq, max_keys, D):
 def attention_work(g, rows, Hq, D, max_keys):
     """Scratch (float32) for attention_gpu over `rows` rows: per (row, head, chunk slot) m, l and acc[D]
     (only the split path, T <= ATTN_SPLIT_ROWS, uses it)."""
-    return g.empty((rows * Hq * attention_slots(max_keys) * (D + 2) + 4,), np.float32)
+    return g.empty((rows * split_row_floats(Hq, max_keys, D) + 4,), np.float32)
 
 
 def attention_smem(D, MT, wg=False, G=None):
