@@ -32,7 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from config import PolicyConfig, check_cost_table  # noqa: F401 - the table's check, with its format below
+from config import PolicyConfig
 
 THOUGHT_MODES = ("auto", "never", "always")
 
@@ -88,7 +88,7 @@ def argmax(p) -> int:
 # Both axes ascend. A lookup rounds batch and context UP to the next measured point (the last one when
 # past the end): modelled time never undercounts inside the table.
 
-# (config.check_cost_table validates a table, with EngineConfig.)
+# config.check_cost_table validates a table (EngineConfig does, at start).
 
 
 def _up(points, x):

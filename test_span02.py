@@ -69,7 +69,7 @@ import span02
 import vision
 import wire
 from checkpoint import BF16, E4M3, InMemoryCheckpoint, LinearRaw, e4m3_encode, fp8_dequant, nvfp4_dequant
-from config import EngineConfig, PolicyConfig, Rope, vision_config
+from config import EngineConfig, PolicyConfig, Rope, check_cost_table, vision_config
 from engine import Engine, EngineError, calibrate
 from layers import attention as A, moe, vision_tower
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
@@ -77,7 +77,7 @@ from layers.linear import gate_up_gelu_gpu, head_gpu, linear_gpu, linear_multi_g
 from layers.mlp import gelu_mul_gpu, gelu_tanh
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm, rmsnorm_gpu, router_input_gpu
 from model import SeqOut, SeqStep
-from policy import Question, Request, check_cost_table, r9
+from policy import Question, Request, r9
 from prompt import LETTERS, PromptError, Prompter, SPECIALS, _WORDS, make_demo_tokenizer
 from scheduler import BLOCK, Scheduler, Seq, TooLarge
 
