@@ -17,10 +17,19 @@ from layers.attention import BLOCK
 from layers.embed import embed_gpu
 from model import SeqOut
 
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)   # batch sizes with a decode graph
-                                                                         # (<= max_seqs, max_rows)
+# batch sizes that can have a decode graph: a model captures those up to the first that holds its decode_rows
+# (decode_buckets), within max_seqs and max_rows; larger steps run eagerly
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480, 512)
+DECODE_ROWS = 256              # the rows a model's graphs hold by default (the server passes its --max-batch)
 PAD_TOKEN = 0                  # token id of the decode pad rows (any valid id: their outputs are ignored)
 MAX_KEYS_OUT = 26              # option keys A..Z
+
+
+def decode_buckets(decode_rows, cap):
+    """The buckets a model captures: those of DECODE_BUCKETS up to the first that holds decode_rows rows (every
+    decode step of at most decode_rows sequences replays a graph), none above cap (its max_seqs, max_rows)."""
+    top = next((b for b in DECODE_BUCKETS if b >= decode_rows), DECODE_BUCKETS[-1])
+    return tuple(b for b in DECODE_BUCKETS if b <= min(top, cap))
 
 
 def decode_max_keys(t, geo, max_blocks):
@@ -107,16 +116,13 @@ class DecodeGraphs:
         self._head_launches(x, logits, d["am"], d["keys"], d["lse"], d["keys_out"])
 
     def capture_decode_graphs(self):
-        """Capture one decode graph per bucket B <= min(max_seqs, max_rows) (after weights, pools and workspace):
+        """Capture one decode graph per bucket of self.buckets (decode_buckets; after weights, pools and workspace):
         per bucket, allocate its buffers, run the body once eagerly on pad rows (loads the modules, sets the
         kernels' shared-memory attributes: no driver set-up call is left for the capture), capture it, replay it
         once. Records graph_launches[B] and stats."""
         g = self.g
         g.bind()
-        cap = min(self.max_seqs, self.max_rows)
-        for B in DECODE_BUCKETS:
-            if B > cap:
-                break
+        for B in self.buckets:
             d = self._decode_buffers(B)
             self._decode_inputs(d, [], [])
             self._decode_body(B, d)                            # warm-up, eager

@@ -39,14 +39,14 @@ from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
 from config import ConfigError
-from decode_graphs import DECODE_BUCKETS, MAX_KEYS_OUT, DecodeGraphs, decode_max_keys
+from decode_graphs import DECODE_BUCKETS, DECODE_ROWS, MAX_KEYS_OUT, DecodeGraphs, decode_buckets, decode_max_keys
 from model import SeqOut, StepTools
 from step_plans import StepPlans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # Bytes of split-attention scratch (attention_work_bytes): the largest decode graph's rows in one group, within
-# these bounds; attention_gpu runs the rows of a larger step in groups that fit.
-ATTN_WORK, ATTN_WORK_MAX = 256 << 20, 2 << 30
+# these bounds (512 rows at max_len 8192 take 2.02 GiB); attention_gpu runs the rows of a larger step in groups.
+ATTN_WORK, ATTN_WORK_MAX = 256 << 20, 3 << 30
 PA_SPARE = 8                   # rows of each of _layer's 3 spare outputs (>= layers.moe.PA_ROUTER_MAX_T)
 MAX_ROWS = 2048                # rows a step by default (the server asks for more when its prefill chunk needs them)
 MAX_IMAGES = 64                # images of one sequence in one eager step (the spans of attention's vision blocks)
@@ -94,12 +94,13 @@ def attention_work_bytes(t, max_blocks, rows):
 
 class GpuModel(DecodeGraphs, StepTools):
     def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=MAX_ROWS, max_seqs=256, max_len=8192, name="model",
-                 graphs=True, kv_cap=None):
+                 graphs=True, kv_cap=None, decode_rows=DECODE_ROWS):
         t = cfg.text
         self.cfg, self.name, self.device = cfg, name, "gpu"
         self.prune_last, self.pruned_steps = True, 0    # the last layer on the head's rows only (module docstring)
         self.g = g = gpu.GPU()
         self.max_rows, self.max_seqs = max_rows, max_seqs
+        self.buckets = decode_buckets(decode_rows, min(max_seqs, max_rows))   # the decode graphs' (graphs=True)
         self.max_blocks = math.ceil(max_len / BLOCK)
         p = ck.text_prefix
 
@@ -161,7 +162,8 @@ class GpuModel(DecodeGraphs, StepTools):
         n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 4 * S + MAX_KEYS_OUT   # _step_inputs' words
         self.ws.update(inp=g.empty((n_in,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
-                       attn_work=g.empty((attention_work_bytes(t, self.max_blocks, min(S, R)) // 4,), np.float32),
+                       attn_work=g.empty((attention_work_bytes(t, self.max_blocks, max(self.buckets)) // 4,),
+                                         np.float32),
                        sel=g.empty((S,), np.int32), z=g.empty((S, H), BF16),
                        zn=g.empty((S, H), BF16),
                        spare=g.empty((3 * PA_SPARE, H), BF16),       # _layer's fused router launch: unread rows

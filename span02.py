@@ -51,7 +51,8 @@ def _serve_args(p):
       help="backend: gpu when there is one under auto (default %(default)s)")
     a("--quantize", action="store_true", help="quantize a bf16 checkpoint at load: NVFP4 experts, FP8 dense layers")
     a("--max-len", type=int, default=d.max_len, help="longest sequence, stem + thought, in tokens (default %(default)s)")
-    a("--max-batch", type=int, default=d.max_batch, help="most sequences in one engine step (default %(default)s)")
+    a("--max-batch", type=int, default=d.max_batch,
+      help="most sequences in one engine step; decode steps of up to 512 replay CUDA graphs (default %(default)s)")
     a("--prefill-chunk", type=int, default=d.prefill_chunk,
       help="most prompt tokens of one sequence in one step; chunk cuts sit at its multiples (default %(default)s)")
     a("--kv-tokens", type=int, default=d.kv_tokens,
@@ -141,10 +142,10 @@ def _load_engine_parts(cfg: EngineConfig):
     log.info("loading %s on %s", cfg.model_dir, cfg.device)
     # the GPU model's block tables, sequences and rows a step, for the engine's limits: a step holds each running
     # sequence once, or twice when its readout probe goes in beside its stem's last chunk (scheduler._split), and a
-    # whole chunk with that probe row
+    # whole chunk with that probe row; its decode graphs hold max_batch rows (decode_graphs.decode_buckets)
     m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize,
                    kv_cap=cfg.max_batch * cfg.max_len, max_len=cfg.max_len, max_seqs=2 * cfg.max_batch,
-                   max_rows=max(MAX_ROWS, cfg.prefill_chunk + 1))
+                   max_rows=max(MAX_ROWS, cfg.prefill_chunk + 1), decode_rows=cfg.max_batch)
     sized = not cfg.kv_tokens and m.device == "gpu"          # model.load sized the pool from free memory
     log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks%s)", time.monotonic() - t0,
              m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks, ", sized by free memory" if sized else "")

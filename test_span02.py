@@ -3443,9 +3443,9 @@ def test_server_builds_the_gpu_model_for_its_limits(stand_in_gpu, monkeypatch):
     """span02's loader builds the GPU model for the engine's limits (no device: a stand-in driver). Its block tables
     hold --max-len positions, so a 9,000-token sequence steps (the model's default tables hold 8,192: the step
     raised, and the engine failed the request); a step holds every running sequence twice over (a readout probe goes
-    in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4; and a step holds a
-    whole --prefill-chunk with its probe row (3,001 rows here; the default workspace holds 2,048). An engine given a
-    model too small for its limits refuses it at construction."""
+    in beside its stem's last chunk), so --max-batch 3 captures the decode buckets 1, 2 and 4 (300: those up to
+    320); a step holds a whole --prefill-chunk with its probe row (3,001 rows here; the default workspace holds
+    2,048). An engine given a model too small for its limits refuses it at construction."""
     g, d = stand_in_gpu
     monkeypatch.setattr(gpu, "GPU", lambda: g)
     cfg = EngineConfig(model_dir=span02.DEMO_DIR, device="gpu", max_len=9000, max_batch=3, prefill_chunk=3000,
@@ -3458,6 +3458,8 @@ def test_server_builds_the_gpu_model_for_its_limits(stand_in_gpu, monkeypatch):
         Engine(m, pr, cfg.replace(max_len=9100))
     with pytest.raises(ConfigError, match="prefill chunk 3001: the model steps at most 3001 rows"):
         Engine(m, pr, cfg.replace(prefill_chunk=3001))
+    m2, _ = span02._load_engine_parts(cfg.replace(max_batch=300, prefill_chunk=512, max_len=2048))
+    assert (m2.max_seqs, sorted(m2.decode_graphs)[-3:]) == (600, [256, 288, 320])   # --max-batch 300: bucket 320
     rng = np.random.default_rng(37)
     toks, perm = tuple(int(x) for x in rng.integers(3, m.cfg.text.vocab, 8999)), rng.permutation(563)
     blocks = lambda n: tuple(int(b) for b in perm[:-(-n // 16)])
@@ -5470,9 +5472,10 @@ def test_decode_step_outputs_from_the_one_download():
 @pytest.fixture(scope="module")
 def graph_pair():
     import decode_graphs
-    S = max(decode_graphs.DECODE_BUCKETS) + 1        # room for a step above the largest bucket (eager)
-    on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=S)
-    off = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=S, graphs=False)
+    top = max(decode_graphs.DECODE_BUCKETS)          # every bucket captured, room for a step above them (eager)
+    on = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=top + 1, decode_rows=top)
+    off = model_mod.load(span02.DEMO_DIR, device="gpu", max_len=1024, max_seqs=top + 1, decode_rows=top,
+                         graphs=False)
     yield on, off
     on.close()
     off.close()
@@ -5512,7 +5515,7 @@ def _graph_decode(seqs, toks, step):
 
 
 @needs_gpu
-@pytest.mark.parametrize("batch", [1, 3, 17, 64, 100, 128])
+@pytest.mark.parametrize("batch", [1, 3, 17, 64, 100, 128, 300, 512])
 def test_gpu_graph_decode_matches_eager(graph_pair, batch):
     """After an identical prefill, 8 greedy decode steps through the graphs (padded to the bucket) and through the
     eager step give byte-identical argmax, key logits and logsumexp (above 64 rows the graphs' attention takes its
@@ -5608,7 +5611,8 @@ def test_gpu_graph_one_host_sync_per_decode_step(graph_pair, monkeypatch):
     stats = on.stats
     print("launches per decode step (one replay each):", stats["launches_per_decode_step"])
     assert stats["host_syncs_per_decode_step"] == 1
-    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256] == [
+    assert sorted(stats["launches_per_decode_step"]) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 288,
+                                                         320, 352, 384, 416, 448, 480, 512] == [
         b for b in decode_graphs.DECODE_BUCKETS if b <= min(on.max_seqs, on.max_rows)]
     assert all(n > 0 for n in stats["launches_per_decode_step"].values())
     seqs, toks = _graph_prefill([on], 6, np.random.default_rng(9))
@@ -5731,7 +5735,7 @@ def test_gpu_graph_non_decode_steps_stay_eager(graph_pair):
     rng = np.random.default_rng(11)
     seqs, toks = _graph_prefill([on, off], max(decode_graphs.DECODE_BUCKETS) + 1, rng)
     n0 = on.decode_graph_steps
-    for batch in (_graph_decode(seqs, toks, 0),                                 # 257 > 256: no bucket
+    for batch in (_graph_decode(seqs, toks, 0),                                 # 513 > 512: no bucket
                   _graph_decode(seqs[:2], toks[:2], 1)[:1] + [SeqStep(seqs[1][0][-1:] * 3, len(seqs[1][0]) + 1,
                                                                       seqs[1][1], argmax=True)]):
         got, ref = on.step(batch), off.step(batch)
@@ -6812,6 +6816,17 @@ def test_kv_tokens_auto_size(tmp_path, monkeypatch):
     assert model_mod.load(span02.DEMO_DIR, device="cpu", kv_tokens=0).num_blocks == model_mod.CPU_KV_TOKENS // BLOCK
 
 
+def test_decode_buckets_hold_the_decode_rows():
+    """A model captures the decode buckets up to the first that holds its decode_rows (the server's --max-batch), none
+    above its cap (min(max_seqs, max_rows)); past the largest bucket (512) steps run eagerly."""
+    from decode_graphs import DECODE_BUCKETS, decode_buckets
+    assert decode_buckets(3, 6) == (1, 2, 4) and decode_buckets(1, 1) == (1,)
+    assert decode_buckets(256, 512) == DECODE_BUCKETS[:13] and decode_buckets(256, 512)[-1] == 256
+    assert decode_buckets(257, 514)[-2:] == (256, 288) and decode_buckets(512, 1024) == DECODE_BUCKETS
+    assert decode_buckets(600, 1200) == DECODE_BUCKETS and decode_buckets(256, 100)[-1] == 96
+    assert DECODE_BUCKETS == (1, 2, 4, 8, 16, 32, 64) + tuple(range(96, 513, 32))
+
+
 def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
     """The GPU model's split-attention scratch (model_gpu.attention_work_bytes) takes the largest decode bucket's rows
     in one group (attention_gpu's group = (floats - 4) // a row's floats) at the full-size geometry's key bounds,
@@ -6829,8 +6844,9 @@ def test_attention_work_holds_the_largest_decode_bucket(tmp_path):
         return min((floats - 4) // p for p in per)
 
     top = max(DECODE_BUCKETS)
-    assert group(8192, 512) == top == 256 and group(2304, 256) == 256       # the server's default, bench's decode
-    assert model_gpu.attention_work_bytes(t, 512, 512) == model_gpu.attention_work_bytes(t, 512, top)
+    assert group(8192, 256) == 256 and group(2304, 256) == 256       # the server's default, bench's decode
+    assert group(8192, 512) == top == 512                            # --max-batch 512: 2.02 GiB
+    assert model_gpu.attention_work_bytes(t, 512, 1024) == model_gpu.attention_work_bytes(t, 512, top)
     assert model_gpu.attention_work_bytes(t, 4, 1) == model_gpu.ATTN_WORK                     # the floor
     assert model_gpu.attention_work_bytes(t, 2048, 256) == model_gpu.ATTN_WORK_MAX            # 32k tables: capped
     assert 0 < group(32768, 256) < 256
