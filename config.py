@@ -237,7 +237,7 @@ class EngineConfig:
     device: str = "auto"           # auto | cpu | gpu
     max_len: int = 8192            # longest sequence (stem + thought) in tokens
     kv_tokens: int = 0             # KV pool size in tokens; 0 = sized at load (model.load: GPU memory / CPU 16,384)
-    max_batch: int = 256           # most sequences in one step (decode graphs up to 512: decode_graphs.py)
+    max_batch: int = 512           # most sequences in one step (each decode step a graph: decode_graphs.py)
     prefill_chunk: int = 512       # most prompt tokens of one sequence per step
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     think_cost: dict | None = None  # the cost table of `span02.py calibrate` (policy.md)

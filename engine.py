@@ -105,7 +105,7 @@ class Engine:
         self.m = {"answers": Counter(), "requests": Counter(), "prompt_tokens": 0, "cached_tokens": 0,
                   "reasoning_tokens": 0, "images": 0, "steps": 0,
                   "step_ms": Histogram(STEP_MS_LE), "step_gpu_wait_ms": Histogram(STEP_MS_LE),
-                  "batch": Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256))}
+                  "batch": Histogram((1, 2, 4, 8, 16, 32, 64, 128, 256, 512))}
         self.gauges = {"running": 0, "running_seqs": 0, "blocks_used": 0, "hit_tokens": 0, "lookup_tokens": 0}
 
     # --- the public side (any thread) -------------------------------------------------------------
@@ -398,7 +398,7 @@ def calibrate(model, cfg, repeats: int = 3, seed: int = 0) -> dict:
     KV pool is scribbled on, so run it before serving, never during."""
     rng = random.Random(seed)
     fits = model.num_blocks * BLOCK
-    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_batch} | {cfg.max_batch})
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < cfg.max_batch} | {cfg.max_batch})
     contexts = sorted({c for c in (256, 1024, 4096, 16384, 65536) if c < min(cfg.max_len, fits)}
                       | {min(cfg.max_len, fits)})
     ms = []
