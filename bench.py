@@ -205,16 +205,17 @@ def write_random_checkpoint(out_dir, layers=30, vision=True, seed=0, log=print):
 
 # --- timing the engine's step ----------------------------------------------------------------------------
 
-def decode_bytes(cfg, context):
+def decode_bytes(cfg, context, kv_dtype="bf16"):
     """Bytes one batch-1 decode step must read: every dense FP8 weight, 8 experts per layer (NVFP4 + scales),
-    routers, norms, the bf16 tied head, and the KV of `context` positions."""
+    routers, norms, the bf16 tied head, and the KV of `context` positions (2 bytes a value, 1 with kv_dtype fp8)."""
+    kv_bytes = 1 if kv_dtype == "fp8" else 2
     t, total = cfg.text, 0
     H, I, E, k, Ie = t.hidden, t.intermediate, t.experts, t.top_k, t.expert_intermediate
     expert = 3 * Ie * H // 2 + 3 * Ie * H // 16 + 12
     for g in t.layers:
         qkvo = H * t.heads * g.head_dim * 2 + H * g.kv_heads * g.head_dim * (1 if g.k_eq_v else 2)
         total += qkvo + 3 * H * I + k * expert + E * H * 2 + 9 * H * 2
-        total += 2 * g.kv_heads * g.head_dim * 2 * (min(context, t.window) if g.sliding else context)
+        total += 2 * g.kv_heads * g.head_dim * kv_bytes * (min(context, t.window) if g.sliding else context)
     return total + t.vocab * H * 2
 
 
@@ -311,14 +312,15 @@ def decide(m, ckpt_dir, stem_tokens=512, repeats=5):
             "decision_prompt_tokens": rows[0][0]["usage"]["prompt_tokens"]}
 
 
-def model_figures(ckpt_dir, profile=True, log=print):
+def model_figures(ckpt_dir, profile=True, kv_dtype="bf16", log=print):
     """The step-level figures, in this process, with the model loaded on the GPU (closed before returning, so the
     server and the peer that follow have the GPU to themselves)."""
     import model as model_mod
     from config import load_model_config
     cfg = load_model_config(ckpt_dir)
     t0 = time.time()
-    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=256 * 1152, max_len=2304, max_rows=2048, max_seqs=256)
+    m = model_mod.load(ckpt_dir, device="gpu", kv_tokens=256 * 1152, max_len=2304, max_rows=2048, max_seqs=256,
+                       kv_dtype=kv_dtype)
     load_s = time.time() - t0
     try:
         g = m.g
@@ -336,7 +338,7 @@ def model_figures(ckpt_dir, profile=True, log=print):
 
         for b in (1, 16, 64):
             decode(b)
-        nbytes = decode_bytes(cfg, 1024)
+        nbytes = decode_bytes(cfg, 1024, kv_dtype)
         r["bytes_per_step_b1"] = nbytes
         r["mbu_b1"] = round(nbytes / (r["step_ms_b1"] / 1e3) / (bw * 1e9), 4)
         ids = tuple(int(x) for x in rng.integers(3, cfg.text.vocab, 2048))
@@ -470,15 +472,16 @@ def compare(r):
 # --- everything ---------------------------------------------------------------------------------------------
 
 def run(ckpt_dir, peer=False, model=True, server=True, profile=True, device="gpu", requests=128, cap=256,
-        readout_repeats=5, server_kv_tokens=0, peer_args=(), peer_timeout=480.0, log=print):
+        readout_repeats=5, server_kv_tokens=0, peer_args=(), peer_timeout=480.0, kv_dtype="bf16", log=print):
     """Every figure of performance.md, part by part: the model's steps in this process (then closed), the
     server figures through HTTP (bench_server), the peer (bench_peer, subprocess). A part that fails is recorded
-    under "errors" and the others still run; the last line printed is one JSON object with everything."""
+    under "errors" and the others still run; the last line printed is one JSON object with everything. kv_dtype:
+    the KV cache of our model and server (the figures of record: bf16, the default; the peer always bf16)."""
     if not os.path.exists(os.path.join(ckpt_dir, "config.json")):
         t0 = time.time()
         write_random_checkpoint(ckpt_dir, vision=False, log=lambda *a: None)
         log(f"checkpoint written in {time.time() - t0:.1f} s")
-    r, errors, times = {"checkpoint": os.path.abspath(ckpt_dir)}, {}, {}
+    r, errors, times = {"checkpoint": os.path.abspath(ckpt_dir), "kv_dtype": kv_dtype}, {}, {}
 
     def part(name, fn):
         t0 = time.time()
@@ -493,12 +496,12 @@ def run(ckpt_dir, peer=False, model=True, server=True, profile=True, device="gpu
         times[name] = round(time.time() - t0, 1)
 
     if model:
-        part("model", lambda: model_figures(ckpt_dir, profile=profile, log=log))
+        part("model", lambda: model_figures(ckpt_dir, profile=profile, kv_dtype=kv_dtype, log=log))
     if server:
         import bench_server
         part("server", lambda: bench_server.server_figures(
             ckpt_dir, device=device, requests=requests, cap=cap, readout_repeats=readout_repeats,
-            kv_tokens=server_kv_tokens, log=log))
+            kv_tokens=server_kv_tokens, extra_args=("--kv-dtype", kv_dtype), log=log))
     if peer:
         part("peer", lambda: peer_figures(ckpt_dir, peer_args, peer_timeout, log=log))
         ratios, table = compare(r)
@@ -544,6 +547,8 @@ def main(argv=None):
     r.add_argument("--peer-args", default="", help="extra arguments for bench_peer.py, one string "
                                                    "(e.g. '--device cpu --context 64' for tests)")
     r.add_argument("--peer-timeout", type=float, default=480.0, help="seconds (default %(default)s)")
+    r.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
+                   help="KV cache of our model and server (default %(default)s: the figures of record)")
     ns = ap.parse_args(argv)
     try:
         if ns.cmd == "write":
@@ -554,7 +559,7 @@ def main(argv=None):
                   profile=not ns.no_profile, device=ns.device, requests=ns.requests, cap=ns.cap,
                   readout_repeats=ns.readout_repeats,
                   server_kv_tokens=ns.server_kv_tokens, peer_args=shlex.split(ns.peer_args),
-                  peer_timeout=ns.peer_timeout)
+                  peer_timeout=ns.peer_timeout, kv_dtype=ns.kv_dtype)
     except CheckpointError as e:
         print(f"bench.py: {e}", file=sys.stderr)
         return 2

@@ -237,6 +237,7 @@ class EngineConfig:
     device: str = "auto"           # auto | cpu | gpu
     max_len: int = 8192            # longest sequence (stem + thought) in tokens
     kv_tokens: int = 0             # KV pool size in tokens; 0 = sized at load (model.load: GPU memory / CPU 16,384)
+    kv_dtype: str = "bf16"         # what the KV cache keeps: bf16 | fp8 (layers.attention.kv_round; half the bytes)
     max_batch: int = 512           # most sequences in one step (each decode step a graph: decode_graphs.py)
     prefill_chunk: int = 512       # most prompt tokens of one sequence per step
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -264,6 +265,7 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "gpu"), f"device must be auto, cpu or gpu, not {self.device!r}"),
             (self.max_len >= 64, "max-len must be at least 64"),
             (self.kv_tokens >= 0, "kv-tokens must be >= 0 (0: sized at load)"),
+            (self.kv_dtype in ("bf16", "fp8"), f"kv-dtype must be bf16 or fp8, not {self.kv_dtype!r}"),
             (self.max_batch >= 1, "max-batch must be at least 1"),
             (self.prefill_chunk >= 16, "prefill chunk must be at least 16"),
             (0.0 <= p.tau, "tau must be >= 0"),

@@ -148,7 +148,7 @@ class Engine:
         g, n = self.gauges, self.model.num_blocks
         return {"model": self.model.name, "device": self.model.device,
                 "queue": {"waiting": self.n_waiting, "running": g["running"]},
-                "kv": {"used": g["blocks_used"] / n, "capacity_tokens": n * BLOCK}}
+                "kv": {"used": g["blocks_used"] / n, "capacity_tokens": n * BLOCK, "dtype": self.model.kv_dtype}}
 
     def metrics_snapshot(self) -> dict:
         """{"answers": {stop: n}, "requests": {"ok" | "<status>": n}, "prompt_tokens": n, "cached_tokens": n,

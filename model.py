@@ -122,9 +122,11 @@ class StepTools:
 class Model(StepTools):
     """A loaded model with its KV pools. `step` is the engine's entry; `logits` is for tools and tests."""
 
-    def __init__(self, cfg: ModelConfig, ck, kv_tokens=1 << 16, name="model"):
+    def __init__(self, cfg: ModelConfig, ck, kv_tokens=1 << 16, name="model", kv_dtype="bf16"):
         t = cfg.text
-        self.cfg, self.name, self.device = cfg, name, "cpu"
+        if kv_dtype not in attention.KV_DTYPES:
+            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(attention.KV_DTYPES)}")
+        self.cfg, self.name, self.device, self.kv_dtype = cfg, name, "cpu", kv_dtype
         p = ck.text_prefix
         self.embed_table = ck.tensor(f"{p}embed_tokens.weight", (t.vocab, t.hidden))    # (V, H) f32
         self.embed_scale = embed.embed_scale(t.hidden, ck.dtype(f"{p}embed_tokens.weight"))
@@ -132,7 +134,7 @@ class Model(StepTools):
         self.layers = [load_layer(ck, f"{p}layers.{i}.", t, g) for i, g in enumerate(t.layers)]
         self.inv_freq = [attention.rope_inv_freq(g.rope, g.head_dim) for g in t.layers]
         self.num_blocks = max(1, math.ceil(kv_tokens / BLOCK))
-        # per layer: K and V pools (blocks, 16, Hkv, D) float32
+        # per layer: K and V pools (blocks, 16, Hkv, D) float32 (kv_dtype "fp8": values rounded as attention.kv_round)
         self.k_pool = [np.zeros((self.num_blocks, BLOCK, g.kv_heads, g.head_dim), np.float32) for g in t.layers]
         self.v_pool = [np.zeros_like(k) for k in self.k_pool]
         self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
@@ -181,8 +183,8 @@ class Model(StepTools):
         out = np.empty((x.shape[0], q.shape[1] * q.shape[2]), np.float64)
         for s, o in zip(seqs, offsets):            # every row's K/V first, as on the GPU (SeqStep)
             n = len(s.tokens)
-            attention.scatter(self.k_pool[i], s.blocks, pos[o:o + n], k[o:o + n])
-            attention.scatter(self.v_pool[i], s.blocks, pos[o:o + n], v[o:o + n])
+            attention.scatter(self.k_pool[i], s.blocks, pos[o:o + n], attention.kv_round(k[o:o + n], self.kv_dtype))
+            attention.scatter(self.v_pool[i], s.blocks, pos[o:o + n], attention.kv_round(v[o:o + n], self.kv_dtype))
         for s, o in zip(seqs, offsets):
             n, stop = len(s.tokens), s.start + len(s.tokens)
             first = max(0, s.start - self.cfg.text.window + 1) if g.sliding else 0
@@ -202,10 +204,11 @@ class Model(StepTools):
         return (h + rmsnorm(m, w["post_feedforward_layernorm"], eps)) * w["layer_scalar"]
 
 
-def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
+def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, kv_dtype="bf16", **gpu_kw):
     """Load a model directory (config.json, safetensors) on a backend: "cpu" (the numpy reference), "gpu"
     (model_gpu.GpuModel), or "auto" (the GPU when there is one). kv_tokens: KV pool positions; 0 sizes it from the
-    GPU's free memory (model_gpu.auto_kv_tokens, at most gpu_kw's kv_cap) or, on the CPU, CPU_KV_TOKENS."""
+    GPU's free memory (model_gpu.auto_kv_tokens, at most gpu_kw's kv_cap) or, on the CPU, CPU_KV_TOKENS.
+    kv_dtype: what the KV cache keeps, "bf16" or "fp8" (layers.attention.KV_DTYPES, kv_round)."""
     import gpu
     if device == "auto":
         device = "gpu" if gpu.available() else "cpu"
@@ -221,5 +224,5 @@ def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, **gpu_kw):
             raise ConfigError("the GPU backend runs MoE experts in NVFP4: this checkpoint's experts are "
                               "unquantized; load it with --quantize (NVFP4 experts, FP8 dense layers at load)")
         from model_gpu import GpuModel
-        return GpuModel(cfg, ck, kv_tokens=kv_tokens, name=name, **gpu_kw)
-    return Model(cfg, ck, kv_tokens=kv_tokens or CPU_KV_TOKENS, name=name)
+        return GpuModel(cfg, ck, kv_tokens=kv_tokens, name=name, kv_dtype=kv_dtype, **gpu_kw)
+    return Model(cfg, ck, kv_tokens=kv_tokens or CPU_KV_TOKENS, name=name, kv_dtype=kv_dtype)

@@ -4,8 +4,8 @@ Same interface as the CPU reference (SeqStep in, SeqOut out, `.logits`, `.num_bl
 the scheduler, policy and server run unchanged on it. bf16 activations, weights in their checkpoint format
 (FP8 dense layers, NVFP4 experts, bf16 embeddings / norms / router), fp32 accumulation and softmax.
 
-Memory: everything is allocated at load: weights, the paged KV pools (per layer (blocks, 16, Hkv, D) bf16,
-the layout of the CPU reference), and one workspace sized for `max_rows` rows per step; a step only takes
+Memory: everything is allocated at load: weights, the paged KV pools (per layer (blocks, 16, Hkv, D) bf16, or e4m3
+with kv_dtype "fp8" (layers.attention.kv_round), the layout of the CPU reference), and one workspace sized for `max_rows` rows per step; a step only takes
 views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
@@ -44,6 +44,7 @@ from model import SeqOut, StepTools
 from step_plans import StepPlans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+KV_POOL_DTYPES = {"bf16": BF16, "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}   # by kv_dtype (attention.KV_DTYPES)
 # Bytes of split-attention scratch (attention_work_bytes): the largest decode graph's rows in one group, within
 # these bounds (512 rows at max_len 8192 take 2.02 GiB); attention_gpu runs the rows of a larger step in groups.
 ATTN_WORK, ATTN_WORK_MAX = 256 << 20, 3 << 30
@@ -61,16 +62,17 @@ KV_AUTO_FRACTION, KV_AUTO_RESERVE, KV_AUTO_MIN = 0.9, 2 << 30, 4096
 W16_KEEP_BYTES = 1 << 30
 
 
-def kv_position_bytes(cfg):
-    """Device bytes of one KV position: K and V of every layer (bf16; the pools keep both even where K = V)."""
-    return sum(2 * geo.kv_heads * geo.head_dim * 2 for geo in cfg.text.layers)
+def kv_position_bytes(cfg, kv_dtype="bf16"):
+    """Device bytes of one KV position: K and V of every layer (2 bytes a value in bf16, 1 in fp8; the pools keep both
+    even where K = V)."""
+    return sum(2 * geo.kv_heads * geo.head_dim * KV_POOL_DTYPES[kv_dtype].itemsize for geo in cfg.text.layers)
 
 
-def auto_kv_tokens(cfg, free_bytes, cap):
+def auto_kv_tokens(cfg, free_bytes, cap, kv_dtype="bf16"):
     """The KV pool's positions for kv_tokens=0 (see KV_AUTO_FRACTION): whole blocks, at most cap. Raises ConfigError
     (a clear message, no traceback from span02.py) when fewer than KV_AUTO_MIN (or cap) positions fit."""
     room = int(free_bytes * KV_AUTO_FRACTION) - KV_AUTO_RESERVE
-    n = min(max(room, 0) // kv_position_bytes(cfg), cap) // BLOCK * BLOCK
+    n = min(max(room, 0) // kv_position_bytes(cfg, kv_dtype), cap) // BLOCK * BLOCK
     least = max(min(KV_AUTO_MIN, cap) // BLOCK * BLOCK, BLOCK)
     if n < least:
         raise ConfigError(f"{free_bytes / 2**30:.1f} GiB of device memory free after the weights: room for {n} KV "
@@ -94,9 +96,11 @@ def attention_work_bytes(t, max_blocks, rows):
 
 class GpuModel(DecodeGraphs, StepTools):
     def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=MAX_ROWS, max_seqs=256, max_len=8192, name="model",
-                 graphs=True, kv_cap=None, decode_rows=DECODE_ROWS):
+                 graphs=True, kv_cap=None, decode_rows=DECODE_ROWS, kv_dtype="bf16"):
         t = cfg.text
-        self.cfg, self.name, self.device = cfg, name, "gpu"
+        if kv_dtype not in KV_POOL_DTYPES:
+            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_POOL_DTYPES)}")
+        self.cfg, self.name, self.device, self.kv_dtype = cfg, name, "gpu", kv_dtype
         self.prune_last, self.pruned_steps = True, 0    # the last layer on the head's rows only (module docstring)
         self.g = g = gpu.GPU()
         self.max_rows, self.max_seqs = max_rows, max_seqs
@@ -136,14 +140,15 @@ class GpuModel(DecodeGraphs, StepTools):
         self._workspace()
         self.vision = load_vision(ck, cfg.vision, t.hidden) if cfg.vision and ck.vision_prefix else None
         if kv_tokens <= 0:
-            kv_tokens = auto_kv_tokens(cfg, g.mem_free(), kv_cap or max_seqs * max_len)
-        # per layer: K and V pools (blocks, 16, Hkv, D) bf16. With graphs the last block is the decode pad rows'
-        # scratch block: the users (scheduler) see num_blocks = one fewer.
+            kv_tokens = auto_kv_tokens(cfg, g.mem_free(), kv_cap or max_seqs * max_len, kv_dtype)
+        # per layer: K and V pools (blocks, 16, Hkv, D) bf16 / e4m3. With graphs the last block is the decode pad
+        # rows' scratch block: the users (scheduler) see num_blocks = one fewer.
         pool_blocks = max(2 if graphs else 1, math.ceil(kv_tokens / BLOCK))
         self.num_blocks = pool_blocks - 1 if graphs else pool_blocks
         self.scratch_block = pool_blocks - 1 if graphs else None
-        self.k_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
-        self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), BF16) for geo in t.layers]
+        kv = KV_POOL_DTYPES[kv_dtype]
+        self.k_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), kv) for geo in t.layers]
+        self.v_pool = [g.empty((pool_blocks, BLOCK, geo.kv_heads, geo.head_dim), kv) for geo in t.layers]
         self.decode_graphs, self.graph_launches, self._dec = {}, {}, {}    # per bucket B: Graph, launches, buffers
         self.decode_graph_steps = 0                                        # steps served by a replay
         self.step_plans = StepPlans(g)                                     # prompt steps' (step_plans.py)

@@ -58,6 +58,9 @@ def _serve_args(p):
     a("--kv-tokens", type=int, default=d.kv_tokens,
       help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: on the GPU 90%% "
            "of the memory free after the weights, less 2 GiB, at most max-batch x max-len; on the CPU 16384)")
+    a("--kv-dtype", default=d.kv_dtype, choices=["bf16", "fp8"],
+      help="what the KV cache keeps: bf16, or fp8 (e4m3: half the bytes a position, so about twice the positions; "
+           "K and V rounded, so answers differ from bf16's; README) (default %(default)s)")
     a("--tau", type=float, default=dp.tau, help="gate: answer at once when max probability >= tau (default %(default)s)")
     a("--cap", type=int, default=dp.cap, help="most thought tokens per question (default %(default)s)")
     a("--think-ms", type=float, default=dp.think_ms,
@@ -107,7 +110,7 @@ def engine_config(ns) -> EngineConfig:
         return EngineConfig(
             model_dir=ns.model or DEMO_DIR, device=ns.device, max_len=ns.max_len, max_batch=ns.max_batch,
             prefill_chunk=ns.prefill_chunk,
-            kv_tokens=ns.kv_tokens, quantize=ns.quantize,
+            kv_tokens=ns.kv_tokens, kv_dtype=ns.kv_dtype, quantize=ns.quantize,
             policy=PolicyConfig(tau=ns.tau, cap=ns.cap, think_ms=ns.think_ms, budget_ms=ns.budget_ms,
                                 blend_closed=ns.blend_closed, blend_truncated=ns.blend_truncated),
             think_cost=cost, deadline_ms=ns.deadline_ms, image_soft_tokens=ns.image_soft_tokens, serial=ns.serial,
@@ -143,12 +146,14 @@ def _load_engine_parts(cfg: EngineConfig):
     # the GPU model's block tables, sequences and rows a step, for the engine's limits: a step holds each running
     # sequence once, or twice when its readout probe goes in beside its stem's last chunk (scheduler._split), and a
     # whole chunk with that probe row; its decode graphs hold max_batch rows (decode_graphs.decode_buckets)
-    m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, quantize=cfg.quantize,
+    m = model.load(cfg.model_dir, device=cfg.device, kv_tokens=cfg.kv_tokens, kv_dtype=cfg.kv_dtype,
+                   quantize=cfg.quantize,
                    kv_cap=cfg.max_batch * cfg.max_len, max_len=cfg.max_len, max_seqs=2 * cfg.max_batch,
                    max_rows=max(MAX_ROWS, cfg.prefill_chunk + 1), decode_rows=cfg.max_batch)
     sized = not cfg.kv_tokens and m.device == "gpu"          # model.load sized the pool from free memory
-    log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks%s)", time.monotonic() - t0,
-             m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks, ", sized by free memory" if sized else "")
+    log.info("loaded in %.1f s: %d layers, KV cache %d positions (%d blocks, %s%s)", time.monotonic() - t0,
+             m.cfg.text.n_layers, m.num_blocks * model.BLOCK, m.num_blocks, m.kv_dtype,
+             ", sized by free memory" if sized else "")
     return m, Prompter(cfg.model_dir)
 
 

@@ -3,7 +3,8 @@
 //
 // Shapes (letters as in Python): T rows of this step, Hq query heads, Hkv kv heads, D head_dim,
 // G = Hq / Hkv query heads per kv head (<= 16); D in {64, 128, 256, 512} (one template per D).
-// KV pools (blocks, 16, Hkv, D) bf16: position p of a sequence lives
+// KV pools (blocks, 16, Hkv, D) bf16, or e4m3 (the `_e4m3` kernels: the pools' values are the bf16 ones rounded to
+// e4m3 by the KV writes, widened back exactly by the attention: attention_tile.cuh): position p of a sequence lives
 // in pool row  block_table[seq][p / 16] * 16 + p % 16.
 //
 // DETERMINISM. A query row (position p, head h) sees the contiguous key range [lo, hi]:
@@ -85,22 +86,23 @@ __device__ __forceinline__ float warp_sum(float v) {
 struct QkHead {
     const __nv_bfloat16* src;
     __nv_bfloat16* dst;                              // null: no dense output
-    __nv_bfloat16* pool;                             // the head's row in the k or v pool; null: no fused write
+    uint8_t* pool;                                   // the head's row in the k or v pool; null: no fused write
     int w;                                           // 0: q_w, 1: k_w (both then rope), -1: no weight, no rope
 };
 
-// Head hy of row t; slot = the row's pool row (used when k_pool is non-null).
+// Head hy of row t; slot = the row's pool row (used when k_pool is non-null); ES = bytes a pool value (2 bf16, 1 e4m3).
+template <int ES>
 __device__ __forceinline__ QkHead qk_head(int t, int hy, size_t slot, QK_PARAMS) {
     if (hy < Hq)
         return {q_in + (size_t)t * q_stride + (size_t)hy * D, q_out + ((size_t)t * Hq + hy) * D, nullptr, 0};
-    if (hy < Hq + Hkv) {
-        const int h = hy - Hq;
+    const bool k = hy < Hq + Hkv;
+    const int h = k ? hy - Hq : hy - Hq - Hkv;
+    __nv_bfloat16* pool = k ? k_pool : v_pool;
+    uint8_t* row = k_pool ? reinterpret_cast<uint8_t*>(pool) + (slot * Hkv + h) * D * ES : nullptr;
+    if (k)
         return {k_in + (size_t)t * k_stride + (size_t)h * D, k_out ? k_out + ((size_t)t * Hkv + h) * D : nullptr,
-                k_pool ? k_pool + (slot * Hkv + h) * D : nullptr, 1};
-    }
-    const int h = hy - Hq - Hkv;
-    return {v_in + (size_t)t * v_stride + (size_t)h * D, v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr,
-            k_pool ? v_pool + (slot * Hkv + h) * D : nullptr, -1};
+                row, 1};
+    return {v_in + (size_t)t * v_stride + (size_t)h * D, v_out ? v_out + ((size_t)t * Hkv + h) * D : nullptr, row, -1};
 }
 
 __device__ __forceinline__ size_t qk_slot(int t, int p, const int* __restrict__ rows_seq,
@@ -123,7 +125,8 @@ __device__ __forceinline__ void qk_pair(int w, float xa, float xb, float r, floa
     bb = __float2bfloat16_rn(yb);
 }
 
-// The same, stored into the head's outputs.
+// The same, stored into the head's outputs (an e4m3 pool: each value rounded by bf16x2_e4m3x2).
+template <int ES>
 __device__ __forceinline__ void qk_store(const QkHead& hd, int i, int half, float xa, float xb, float r, float wa,
                                          float wb, float c, float s) {
     __nv_bfloat16 ba, bb;
@@ -133,17 +136,25 @@ __device__ __forceinline__ void qk_store(const QkHead& hd, int i, int half, floa
         hd.dst[i + half] = bb;
     }
     if (hd.pool) {
-        hd.pool[i] = ba;
-        hd.pool[i + half] = bb;
+        if constexpr (ES == 2) {
+            reinterpret_cast<__nv_bfloat16*>(hd.pool)[i] = ba;
+            reinterpret_cast<__nv_bfloat16*>(hd.pool)[i + half] = bb;
+        } else {
+            const uint16_t e = bf16x2_e4m3x2((uint32_t)__bfloat16_as_ushort(ba) |
+                                             ((uint32_t)__bfloat16_as_ushort(bb) << 16));
+            hd.pool[i] = (uint8_t)e;
+            hd.pool[i + half] = (uint8_t)(e >> 8);
+        }
     }
 }
 
-extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
+template <int ES>
+__device__ __forceinline__ void qk_norm_rope_head(QK_PARAMS) {
     pdl_entry();
     __shared__ float red[32];
     const int t = blockIdx.x, i = threadIdx.x, half = D >> 1, p = positions[t];
     const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
-    const QkHead hd = qk_head(t, blockIdx.y, slot, QK_PASS);
+    const QkHead hd = qk_head<ES>(t, blockIdx.y, slot, QK_PASS);
     const float xa = __bfloat162float(hd.src[i]), xb = __bfloat162float(hd.src[i + half]);
     const float ss = warp_sum(__fmaf_rn(xb, xb, __fmul_rn(xa, xa)));
     if ((i & 31) == 0) red[i >> 5] = ss;
@@ -158,8 +169,10 @@ extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) {
         wb = __bfloat162float(w[i + half]);
         sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
     }
-    qk_store(hd, i, half, xa, xb, r, wa, wb, c, s);
+    qk_store<ES>(hd, i, half, xa, xb, r, wa, wb, c, s);
 }
+extern "C" __global__ void qk_norm_rope_bf16(QK_PARAMS) { qk_norm_rope_head<2>(QK_PASS); }
+extern "C" __global__ void qk_norm_rope_e4m3(QK_PARAMS) { qk_norm_rope_head<1>(QK_PASS); }
 
 #define QK_WARPS 8
 
@@ -184,6 +197,12 @@ __device__ __forceinline__ float group_sum32(const float (&v)[8], int lane) {
     return __fadd_rn(p4, __shfl_xor_sync(0xffffffffu, p4, 2));            // xor 1 (element bit 0 = b1's side)
 }
 
+// 8 bf16 (16 bytes) -> 8 e4m3 (8 bytes), in order (bf16x2_e4m3x2).
+__device__ __forceinline__ uint2 e4m3x8(const uint4& u) {
+    return make_uint2((uint32_t)bf16x2_e4m3x2(u.x) | ((uint32_t)bf16x2_e4m3x2(u.y) << 16),
+                      (uint32_t)bf16x2_e4m3x2(u.z) | ((uint32_t)bf16x2_e4m3x2(u.w) << 16));
+}
+
 __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
@@ -199,7 +218,8 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
 // excess; 2,048 tokens, H200, same bytes: sliding 28.65 -> 26.26 us, full 38.03 -> 33.41).
 __device__ __forceinline__ int qk_lane_pos(int j, int L) { return 2 * (((j & 7) >> 1) * L + (j >> 3)) + (j & 1); }
 
-extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows_bf16(QK_PARAMS) {
+template <int ES>
+__device__ __forceinline__ void qk_norm_rope_rows(QK_PARAMS) {
     __shared__ __align__(16) float cs[512];          // cos of the D/2 angles, then their sin (qk_lane_pos order)
     __shared__ __align__(16) float wqk[1024];        // q_w, then k_w (fp32; each half in qk_lane_pos order)
     const int t = blockIdx.x, half = D >> 1, L = D >> 4, nj = D >> 6, hpw = 32 / L;
@@ -214,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows
     pdl_entry();
     const int p = __ldcg(positions + t);             // not ld.global.nc, which ptxas hoisted above the wait (pdl.cuh)
     const size_t slot = k_pool ? qk_slot(t, p, rows_seq, block_tables, max_blocks) : 0;
-    auto head = [&](int w) { return qk_head(t, hl < hpw && w * hpw + hl < H ? w * hpw + hl : 0, slot, QK_PASS); };
+    auto head = [&](int w) { return qk_head<ES>(t, hl < hpw && w * hpw + hl < H ? w * hpw + hl : 0, slot, QK_PASS); };
     auto mine = [&](int w) { return hl < hpw && w * hpw + hl < H; };
     uint4 v[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};   // the next round's pieces a, a + L
     auto load = [&](const QkHead& hd, bool on) {
@@ -275,40 +295,62 @@ extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows
             reinterpret_cast<uint4*>(cur.dst)[a + L] = B4;
         }
         if (cur.pool) {
-            reinterpret_cast<uint4*>(cur.pool)[a] = A4;
-            reinterpret_cast<uint4*>(cur.pool)[a + L] = B4;
+            if constexpr (ES == 2) {
+                reinterpret_cast<uint4*>(cur.pool)[a] = A4;
+                reinterpret_cast<uint4*>(cur.pool)[a + L] = B4;
+            } else {
+                reinterpret_cast<uint2*>(cur.pool)[a] = e4m3x8(A4);
+                reinterpret_cast<uint2*>(cur.pool)[a + L] = e4m3x8(B4);
+            }
         }
     }
 }
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows_bf16(QK_PARAMS) {
+    qk_norm_rope_rows<2>(QK_PASS);
+}
+extern "C" __global__ void __launch_bounds__(32 * QK_WARPS, 5) qk_norm_rope_rows_e4m3(QK_PARAMS) {
+    qk_norm_rope_rows<1>(QK_PASS);
+}
 
 // ---------------------------------------------------------------------------------------------------------
-// kv_write_bf16: scatter this step's K/V rows into the paged pools.
+// kv_write_bf16 / kv_write_e4m3: scatter this step's K/V rows into the paged pools (bf16, or rounded to e4m3).
 // k, v (T, Hkv, D) dense bf16; pools (blocks, 16, Hkv, D); row t of sequence rows_seq[t] at position
 // rows_pos[t] goes to pool row block_tables[seq * max_blocks + pos / 16] * 16 + pos % 16.
-// grid (T), block 128; HD = Hkv * D (a multiple of 8: copied as uint4 = 8 bf16).
+// grid (T), block 128; HD = Hkv * D (a multiple of 8: moved 8 values at a time).
 // ---------------------------------------------------------------------------------------------------------
-extern "C" __global__ void kv_write_bf16(
-    const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
-    __nv_bfloat16* __restrict__ k_pool, __nv_bfloat16* __restrict__ v_pool,
-    const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
-    const int* __restrict__ block_tables, int max_blocks, int HD) {
+#define KV_WRITE_ARGS                                                                                           \
+    const __nv_bfloat16 *__restrict__ k, const __nv_bfloat16 *__restrict__ v, void *__restrict__ k_pool,       \
+        void *__restrict__ v_pool, const int *__restrict__ rows_seq, const int *__restrict__ rows_pos,           \
+        const int *__restrict__ block_tables, int max_blocks, int HD
+template <int ES>
+__device__ __forceinline__ void kv_write(KV_WRITE_ARGS) {
     pdl_entry();
     const int t = blockIdx.x;
     const int p = rows_pos[t];
     const size_t slot = (size_t)block_tables[(size_t)rows_seq[t] * max_blocks + p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
     const uint4* ks = reinterpret_cast<const uint4*>(k + (size_t)t * HD);
     const uint4* vs = reinterpret_cast<const uint4*>(v + (size_t)t * HD);
-    uint4* kd = reinterpret_cast<uint4*>(k_pool + slot * HD);
-    uint4* vd = reinterpret_cast<uint4*>(v_pool + slot * HD);
+    uint8_t* kd = reinterpret_cast<uint8_t*>(k_pool) + slot * HD * ES;
+    uint8_t* vd = reinterpret_cast<uint8_t*>(v_pool) + slot * HD * ES;
     for (int i = threadIdx.x; i < HD / 8; i += blockDim.x) {
-        kd[i] = ks[i];
-        vd[i] = vs[i];
+        if constexpr (ES == 2) {
+            reinterpret_cast<uint4*>(kd)[i] = ks[i];
+            reinterpret_cast<uint4*>(vd)[i] = vs[i];
+        } else {
+            reinterpret_cast<uint2*>(kd)[i] = e4m3x8(ks[i]);
+            reinterpret_cast<uint2*>(vd)[i] = e4m3x8(vs[i]);
+        }
     }
 }
+extern "C" __global__ void kv_write_bf16(KV_WRITE_ARGS) { kv_write<2>(k, v, k_pool, v_pool, rows_seq, rows_pos,
+                                                                      block_tables, max_blocks, HD); }
+extern "C" __global__ void kv_write_e4m3(KV_WRITE_ARGS) { kv_write<1>(k, v, k_pool, v_pool, rows_seq, rows_pos,
+                                                                      block_tables, max_blocks, HD); }
 
 // attn_split_bf16_d{D}: grid (nrows, Hkv, Z), block D/2, dynamic smem attention_smem(D, 1); out unused.
 // attn_fused_bf16_d{D}: grid (ceil(nrows / (16 FMT / G)), Hkv, 1), block FMT D / 2, dynamic smem
 //                       attention_smem(D, FMT); part_ml / part_acc unused.
+// attn_split_e4m3_d{D} / attn_fused_e4m3_d{D}: the same over e4m3 pools (the same launch, the same smem).
 #define ATTN_KERNELS(D, FMT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(D / 2) attn_split_bf16_d##D(ATTN_ARGS) {                   \
         pdl_entry();                                                                                         \
@@ -317,6 +359,14 @@ extern "C" __global__ void kv_write_bf16(
     extern "C" __global__ void __launch_bounds__(FMT * D / 2) attn_fused_bf16_d##D(ATTN_ARGS) {             \
         pdl_entry();                                                                                         \
         attn_tile<D, FMT, false>(ATTN_PASS);                                                                 \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(D / 2) attn_split_e4m3_d##D(ATTN_ARGS) {                   \
+        pdl_entry();                                                                                         \
+        attn_tile<D, 1, true, true>(ATTN_PASS);                                                              \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(FMT * D / 2) attn_fused_e4m3_d##D(ATTN_ARGS) {             \
+        pdl_entry();                                                                                         \
+        attn_tile<D, FMT, false, true>(ATTN_PASS);                                                           \
     }
 ATTN_KERNELS(64, 2)
 ATTN_KERNELS(128, 2)

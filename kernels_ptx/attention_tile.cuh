@@ -12,6 +12,80 @@
 #define CHUNK 64         // keys per attention partial
 
 // ---------------------------------------------------------------------------------------------------------
+// e4m3 KV pools (layers/attention.py KV_DTYPES "fp8"): a value is the bf16 value rounded to e4m3 (nearest even,
+// saturated at +-448: bf16_e4m3x2); attention widens it back to that bf16 value exactly (every e4m3 value is one) and
+// runs its bf16 code, so an e4m3 pool gives the bytes a bf16 pool holding the same values gives.
+// ---------------------------------------------------------------------------------------------------------
+
+// Two bf16 (low half first) -> two e4m3 (low byte first), nearest even, saturated.
+__device__ __forceinline__ uint16_t bf16x2_e4m3x2(uint32_t w) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+        : "=h"(r) : "f"(__uint_as_float(w & 0xffff0000u)), "f"(__uint_as_float(w << 16)));
+    return r;
+}
+
+// Two e4m3 (low byte first) -> two bf16 (low half first), exact: through f16 (cvt.rn.f16x2.e4m3x2, exact) and f32.
+__device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t v) {
+    uint32_t r;
+    asm("{\n\t.reg .b32 h;\n\t.reg .f16 a, b;\n\t.reg .f32 fa, fb;\n\t"
+        "cvt.rn.f16x2.e4m3x2 h, %1;\n\tmov.b32 {a, b}, h;\n\tcvt.f32.f16 fa, a;\n\tcvt.f32.f16 fb, b;\n\t"
+        "cvt.rn.bf16x2.f32 %0, fb, fa;\n\t}\n"
+        : "=r"(r) : "h"((uint16_t)v));
+    return r;
+}
+
+// A K / V chunk of an e4m3 pool lands in the upper half of its smem rows (bytes D .. 2D - 1 of each SROW row);
+// kv8_widen rewrites every row in place as bf16 (bytes 0 .. 2D - 1). Warp w of NW takes rows w, w + NW, ...; lane l
+// converts the row's bytes in pieces of at most 8 (E = D / 32 bytes a lane: bytes E l .. when E < 8, else 8 l + 256 k),
+// and reads a batch of rows whole before any lane of the warp writes one (__syncwarp), so no byte is overwritten
+// before it is read. Rows of other warps are never touched.
+template <int D, int NW>
+__device__ __forceinline__ void kv8_widen(uint8_t* buf, int warp, int lane) {
+    constexpr int E = D / 32, SROW = 2 * D + 16, RPW = CHUNK / NW, BATCH = RPW < 8 ? RPW : 8;
+    constexpr int PB = E < 8 ? E : 8, NP = E / PB;          // bytes a piece, pieces a lane a row
+    static_assert(CHUNK % NW == 0 && RPW % BATCH == 0, "kv8_widen rows");
+#pragma unroll
+    for (int r0 = 0; r0 < RPW; r0 += BATCH) {
+        uint32_t in[BATCH][NP][2];
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            const uint8_t* row = buf + (warp + NW * (r0 + b)) * SROW + D;
+#pragma unroll
+            for (int k = 0; k < NP; k++) {
+                const uint8_t* p = row + PB * lane + 32 * PB * k;
+                if constexpr (PB == 8) {
+                    const uint2 u = *reinterpret_cast<const uint2*>(p);
+                    in[b][k][0] = u.x;
+                    in[b][k][1] = u.y;
+                } else if constexpr (PB == 4) {
+                    in[b][k][0] = *reinterpret_cast<const uint32_t*>(p);
+                } else {
+                    in[b][k][0] = *reinterpret_cast<const uint16_t*>(p);
+                }
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int b = 0; b < BATCH; b++) {
+            uint8_t* row = buf + (warp + NW * (r0 + b)) * SROW;
+#pragma unroll
+            for (int k = 0; k < NP; k++) {
+                uint8_t* q = row + 2 * (PB * lane + 32 * PB * k);
+                if constexpr (PB == 8) {
+                    *reinterpret_cast<uint4*>(q) = make_uint4(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16),
+                                                              e4m3x2_bf16x2(in[b][k][1]), e4m3x2_bf16x2(in[b][k][1] >> 16));
+                } else if constexpr (PB == 4) {
+                    *reinterpret_cast<uint2*>(q) = make_uint2(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16));
+                } else {
+                    *reinterpret_cast<uint32_t*>(q) = e4m3x2_bf16x2(in[b][k][0]);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Attention.
 // ---------------------------------------------------------------------------------------------------------
 
@@ -207,7 +281,7 @@ template <int D> struct AttnCfg {
 // split writes, at i = ((r - row0) * Hq + h) * max_slots + z (z = c - lo / 64):
 //   part_ml[2i] = m, part_ml[2i+1] = l, part_acc[i * D + d] = acc[d];
 // fused writes out (T, Hq * D) bf16 = A / L of every row.
-template <int D, int MT, bool SPLIT>
+template <int D, int MT, bool SPLIT, bool F8 = false>
 __device__ __forceinline__ void attn_tile(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_pool,
     const __nv_bfloat16* __restrict__ v_pool, const int* __restrict__ rows_seq, const int* __restrict__ rows_pos,
@@ -217,8 +291,11 @@ __device__ __forceinline__ void attn_tile(
     using C = AttnCfg<D>;
     constexpr int NWG = C::NWG, KW = C::KW, NTS = C::NTS, SROW = C::SROW, PROW = C::PROW;
     constexpr int NT = MT * NWG * 32;           // threads
-    constexpr int PPR = D / 8;                  // 16-byte pieces per Q / K / V row
-    static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0, "load loops");
+    constexpr int PPR = D / 8;                  // 16-byte pieces per Q row (and bf16 K / V row)
+    // K / V pool rows: ES bytes a value, KPR 16-byte pieces a row, landing at byte KOFF of their smem row (e4m3: the
+    // upper half, widened in place by kv8_widen)
+    constexpr int ES = F8 ? 1 : 2, KPR = D * ES / 16, KOFF = F8 ? D : 0;
+    static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0 && (CHUNK * KPR) % NT == 0, "load loops");
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* Ks = smem;                                        // [64 keys][SROW]
     uint8_t* Vs = Ks + CHUNK * SROW;                           // [64 keys][SROW]
@@ -278,18 +355,18 @@ __device__ __forceinline__ void attn_tile(
     // there it took the 2,048-token sliding prefill from 193.7 to 148.6 us).
     auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
                        int kmin, int kmax) {
-        constexpr int RS = NT / PPR;
-        if constexpr (NT % PPR == 0 && KV_BLOCK % RS == 0) {
-            const int w = tid / PPR, pc = tid % PPR;
+        constexpr int RS = NT / KPR;
+        if constexpr (NT % KPR == 0 && KV_BLOCK % RS == 0) {
+            const int w = tid / KPR, pc = tid % KPR;
             const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
-            const uint32_t sd = smem_u32(dst) + w * SROW + 16 * pc;
-            const size_t step = 2 * RS * HD, piece = 2 * ((size_t)kvh * D + 8 * pc);
+            const uint32_t sd = smem_u32(dst) + KOFF + w * SROW + 16 * pc;
+            const size_t step = (size_t)ES * RS * HD, piece = (size_t)ES * kvh * D + 16 * pc;
             const uint8_t* bp[CHUNK / KV_BLOCK];                // the thread's row w of each block
 #pragma unroll
             for (int b = 0; b < CHUNK / KV_BLOCK; b++) {       // blocks with no key in range: not read
                 const int k0 = c * CHUNK + b * KV_BLOCK;
                 const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;
-                bp[b] = src + (any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * 2 * HD + piece : 0);
+                bp[b] = src + (any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * ES * HD + piece : 0);
             }
             if (c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax) {   // (outside the loops: ptxas predicates both
 #pragma unroll                                                         //  forms of every piece otherwise)
@@ -313,12 +390,12 @@ __device__ __forceinline__ void attn_tile(
             }
         } else {
 #pragma unroll 4
-            for (int it = 0; it < CHUNK * PPR / NT; it++) {
-                const int idx = tid + it * NT, kk = idx / PPR, pc = idx % PPR, j = c * CHUNK + kk;
+            for (int it = 0; it < CHUNK * KPR / NT; it++) {
+                const int idx = tid + it * NT, kk = idx / KPR, pc = idx % KPR, j = c * CHUNK + kk;
                 const bool ok = j >= kmin && j <= kmax;
-                const __nv_bfloat16* src = pool;
-                if (ok) src = pool + ((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D + 8 * pc;
-                cp_async16(dst + kk * SROW + 16 * pc, src, ok);
+                const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
+                if (ok) src += (((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D) * ES + 16 * pc;
+                cp_async16(dst + KOFF + kk * SROW + 16 * pc, src, ok);
             }
         }
     };
@@ -342,6 +419,10 @@ __device__ __forceinline__ void attn_tile(
             const int cn = c + cs;                              // next chunk of the pass, if <= ce
             cp_async_wait<1>();                                 // K(c) landed (V(c) may be in flight)
             __syncthreads();
+            if constexpr (F8) {
+                kv8_widen<D, NT / 32>(Ks, warp, lane);
+                __syncthreads();
+            }
 
             // --- S = Q K^T for rows of m-tile mt, keys KW wg + 8n + (0..7): d ascending, 16 per mma ---
             float s[NTS][4];
@@ -419,6 +500,10 @@ __device__ __forceinline__ void attn_tile(
             }
             cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
             __syncthreads();                                    // ... for everyone; P and the sums visible
+            if constexpr (F8) {
+                kv8_widen<D, NT / 32>(Vs, warp, lane);
+                __syncthreads();
+            }
             float lrow[2];
             over_warps<NWG>(rsum, g, lrow, [](float x, float y) { return __fadd_rn(x, y); });
 

@@ -11,6 +11,23 @@ from layers.norm import rmsnorm
 
 BLOCK = 16  # positions per KV block
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+# What the KV pools hold: "bf16" (the default; the GPU's pools, the reference keeps float32) or "fp8", an opt-in mode
+# that halves the cache's bytes: each K / V value is the bf16 value rounded to float8 e4m3 (nearest even, saturated
+# at +-448), the rounding the GPU's KV writes make (attention.cu). Everything else is the same arithmetic.
+KV_DTYPES = ("bf16", "fp8")
+E4M3_MAX = 448.0
+
+
+def kv_round(x, kv_dtype):
+    """x as the KV pools keep it: unchanged ("bf16": the reference's float32 pools) or e4m3(bf16(x)) ("fp8"),
+    as float32."""
+    if kv_dtype == "bf16":
+        return x
+    if kv_dtype != "fp8":
+        raise ValueError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+    b = np.asarray(x, np.float32).astype(_BF16).astype(np.float32)
+    return np.clip(b, -E4M3_MAX, E4M3_MAX).astype(_E4M3).astype(np.float32)
 
 
 def rope_inv_freq(rope, head_dim):
@@ -126,11 +143,21 @@ def split_z(n, Hkv, slots, D, G):
 
 
 def _need(a, shape, dtype, name):
-    dt = _BF16 if dtype == "bf16" else np.dtype(dtype)
+    dt = _BF16 if isinstance(dtype, str) and dtype == "bf16" else np.dtype(dtype)
     if a.dtype != dt:
         raise ValueError(f"{name}: dtype {a.dtype}, expected {dt}")
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"{name}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+def _pool_kind(k_pool, v_pool, shape):
+    """The kernels' name for what the pools hold: "bf16" or "e4m3" (KV_DTYPES "fp8"); both pools alike, of `shape`."""
+    kind = {_BF16: "bf16", _E4M3: "e4m3"}.get(k_pool.dtype)
+    if kind is None:
+        raise ValueError(f"k_pool: dtype {k_pool.dtype}, expected bfloat16 or float8_e4m3fn")
+    _need(k_pool, shape, k_pool.dtype, "k_pool")
+    _need(v_pool, shape, k_pool.dtype, "v_pool")
+    return kind
 
 
 def _row_src(g, a, T, heads, D, name):
@@ -163,7 +190,8 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     q_out (T, Hq, D) bf16; k_out / v_out (T, Hkv, D) bf16 or None (then kv is needed); inputs see `_row_src`
     (v_in None: k=v layer, V = v_norm(raw k)); q_norm_w / k_norm_w (D,) bf16; inv_freq (D/2,) float32
     (rope_inv_freq); positions (T,) int32. kv = (k_pool, v_pool, rows_seq, block_tables) also writes k and v
-    into the paged pools (the fused kv_write_gpu). Two kernels, the same bytes (attention.cu): T <= QK_HEAD_MAX_T
+    into the paged pools (the fused kv_write_gpu; e4m3 pools get kv_round's values: the `_e4m3` kernels). Two
+    kernels, the same bytes (attention.cu): T <= QK_HEAD_MAX_T
     (or D > 512, or rows not 16-byte aligned: _rows_aligned) qk_norm_rope_bf16, grid (T, Hq + 2 Hkv), block D/2;
     else qk_norm_rope_rows_bf16, grid (T, ny), block 256, D/16 lanes a head, ny CTAs a row (1 for long
     prompts)."""
@@ -183,11 +211,10 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     _need(inv_freq, (D // 2,), np.float32, "inv_freq")
     _need(positions, (T,), np.int32, "positions")
     k_pool = v_pool = rows_seq = tables = None
-    mb = 0
+    mb, kind = 0, "bf16"
     if kv is not None:
         k_pool, v_pool, rows_seq, tables = kv
-        _need(k_pool, (k_pool.shape[0], BLOCK, Hkv, D), "bf16", "k_pool")
-        _need(v_pool, k_pool.shape, "bf16", "v_pool")
+        kind = _pool_kind(k_pool, v_pool, (k_pool.shape[0], BLOCK, Hkv, D))
         _need(rows_seq, (T,), np.int32, "rows_seq")
         if len(tables.shape) != 2 or tables.dtype != np.int32:
             raise ValueError(f"block_tables: int32 (S, max_blocks), got {tables.shape} {tables.dtype}")
@@ -201,23 +228,23 @@ def qkv_prep_gpu(g, q_in, k_in, v_in, q_norm_w, k_norm_w, inv_freq, positions, e
     rows = T > QK_HEAD_MAX_T and D <= 512 and _rows_aligned((qp, kp, vp, q_out, k_out, v_out, k_pool, v_pool),
                                                             (qs, ks, vs))
     if not rows:
-        f, grid, block = g.module("attention").function("qk_norm_rope_bf16"), (T, heads, 1), (D // 2, 1, 1)
+        f, grid, block = g.module("attention").function(f"qk_norm_rope_{kind}"), (T, heads, 1), (D // 2, 1, 1)
     else:                           # ny CTAs a row: about 2 CTAs an SM in all; a warp takes 32 // (D // 16) heads
         ny = max(1, min(-(-heads // (8 * (32 // (D // 16)))), -(-2 * g.sm_count // T)))
-        f, grid, block = g.module("attention").function("qk_norm_rope_rows_bf16"), (T, ny, 1), (256, 1, 1)
+        f, grid, block = g.module("attention").function(f"qk_norm_rope_rows_{kind}"), (T, ny, 1), (256, 1, 1)
     g.launch(f, grid=grid, block=block,
              args=[qp, qs, kp, ks, vp, vs, q_norm_w, k_norm_w, inv_freq, positions, Hq, Hkv, D, float(eps),
                    q_out, k_out, v_out, k_pool, v_pool, rows_seq, tables, mb])
 
 
 def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
-    """Scatter k, v (T, Hkv, D) bf16 into the pools (blocks, 16, Hkv, D): row t goes to position rows_pos[t]
-    of sequence rows_seq[t], i.e. pool row block_tables[seq, pos // 16] * 16 + pos % 16. Kernel kv_write_bf16."""
+    """Scatter k, v (T, Hkv, D) bf16 into the pools (blocks, 16, Hkv, D), bf16 or e4m3 (kv_round's values): row t
+    goes to position rows_pos[t] of sequence rows_seq[t], i.e. pool row block_tables[seq, pos // 16] * 16 + pos % 16.
+    Kernel kv_write_bf16 / kv_write_e4m3."""
     T, Hkv, D = k.shape
     _need(k, (T, Hkv, D), "bf16", "k")
     _need(v, (T, Hkv, D), "bf16", "v")
-    _need(k_pool, (k_pool.shape[0], BLOCK, Hkv, D), "bf16", "k_pool")
-    _need(v_pool, k_pool.shape, "bf16", "v_pool")
+    kind = _pool_kind(k_pool, v_pool, (k_pool.shape[0], BLOCK, Hkv, D))
     _need(rows_seq, (T,), np.int32, "rows_seq")
     _need(rows_pos, (T,), np.int32, "rows_pos")
     if len(block_tables.shape) != 2 or block_tables.dtype != np.int32:
@@ -226,7 +253,7 @@ def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
         raise ValueError("Hkv * D must be a multiple of 8")
     if T == 0:
         return
-    f = g.module("attention").function("kv_write_bf16")
+    f = g.module("attention").function(f"kv_write_{kind}")
     g.launch(f, grid=(T, 1, 1), block=(128, 1, 1),
              args=[k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables, block_tables.shape[1], Hkv * D])
 
@@ -269,7 +296,9 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
                   max_keys=None, work=None, out_slots=False, split=None):
     """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax with
     p rounded to bf16 for the P.V tensor-core product (attention.cu header).
-    q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16, D in {64, 128, 256, 512}; rows_seq, rows_pos
+    q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16 or e4m3 (KV_DTYPES "fp8": the `_e4m3`
+    kernels, which widen the values to bf16 exactly and give the bytes bf16 pools of the same values give; their
+    prompt tiles are the mma.sync ones, not wgmma), D in {64, 128, 256, 512}; rows_seq, rows_pos
     (T,) int32: the row's sequence (index into block_tables / spans) and position; block_tables int32
     (S, max_blocks); spans None or int32 (S, n_spans, 2) of (start, n) image blocks (n = 0: unused), used on
     sliding layers only. Row (seq, p) sees keys [lo, hi]: lo = max(0, p - window + 1) if sliding else 0, hi = p,
@@ -300,8 +329,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if Hq % Hkv or Hq // Hkv > 16:
         raise ValueError(f"Hq={Hq} Hkv={Hkv}: need Hkv | Hq and Hq / Hkv <= 16")
     _need(q, (T, Hq, D), "bf16", "q")
-    _need(k_pool, (NB, BLOCK, Hkv, D), "bf16", "k_pool")
-    _need(v_pool, (NB, BLOCK, Hkv, D), "bf16", "v_pool")
+    kind = _pool_kind(k_pool, v_pool, (NB, BLOCK, Hkv, D))
     _need(rows_seq, (T,), np.int32, "rows_seq")
     _need(rows_pos, (T,), np.int32, "rows_pos")
     _need(block_tables, (S, MB), np.int32, "block_tables")
@@ -322,14 +350,14 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     common = [q, k_pool, v_pool, rows_seq, rows_pos, block_tables, MB, use_spans, n_spans, int(window),
               int(bool(sliding))]
     if not (T <= ATTN_SPLIT_ROWS if split is None else split):
-        wg = ATTN_FUSED_WG is not None and D in ATTN_FUSED_WG and g.capability == (9, 0)
+        wg = ATTN_FUSED_WG is not None and D in ATTN_FUSED_WG and g.capability == (9, 0) and kind == "bf16"
         if wg:
             rp, nz, block = ATTN_WG_ROWS // G, D // ATTN_WG_COLS, ATTN_WG_THREADS
             f = g.module("attention_sm90a").function(ATTN_FUSED_WG[D] + ("_slots" if out_slots else ""))
         else:
             mt = ATTN_FUSED_MT[D]
             rp, nz, block = 16 * mt // G, 1, mt * D // 2   # positions per fused tile (mt m16 tiles of rows)
-            f = mod.function(f"attn_fused_bf16_d{D}")
+            f = mod.function(f"attn_fused_{kind}_d{D}")
         g.launch(f, grid=((T + rp - 1) // rp, Hkv, nz), block=(block, 1, 1),
                  args=common + [0, T, Hq, Hkv, slots, None, None, out],
                  shared=attention_smem(D, ATTN_FUSED_MT[D], wg))
@@ -340,7 +368,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     if work.dtype != np.float32 or work.size < per_row + 4:
         raise ValueError(f"work: float32 of at least {per_row} + 4 elements (attention_work)")
     group = min(T, (work.size - 4) // per_row)
-    fs = mod.function(f"attn_split_bf16_d{D}")
+    fs = mod.function(f"attn_split_{kind}_d{D}")
     fc = mod.function("attn_combine_bf16")
     import gpu
     ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
