@@ -35,39 +35,56 @@ __device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t v) {
     return r;
 }
 
-// An e4m3 pool's K / V chunk lands in shared memory by 64-column slices: slice w (columns 64 w .. 64 w + 63, the
-// P.V columns of warp w) of a row at bytes 128 w + 64 .. 128 w + 127 of its SROW row (kv8_col), the upper half of the
-// 128 bytes its bf16 values take. kv8_widen rewrites "units" (a row's slice) in place as bf16 (bytes 128 w .. 128 w +
-// 127), exactly: 8 lanes a unit, 8 bytes a lane, 4 units an instruction; a batch of units is read whole before any lane
-// writes (__syncwarp), and units never overlap, so no byte is overwritten before it is read. unit(i) gives the i-th of
-// the warp's n units as (row, slice): each warp widens what it reads itself (attn_tile: its K rows, its V slice), so in
-// the split tile (one m-tile) no barrier is needed between the widening and the reads.
-__device__ __forceinline__ uint32_t kv8_col(int pc) { return 128 * (pc >> 2) + 64 + 16 * (pc & 3); }
-
-template <int D, int N, class Unit>
-__device__ __forceinline__ void kv8_widen(uint8_t* buf, int lane, Unit unit) {
-    constexpr int SROW = 2 * D + 16, IT = N / 4, BATCH = IT < 4 ? IT : 4;
-    static_assert(N % 4 == 0 && IT % BATCH == 0, "kv8_widen units");
-    const int g = lane >> 3, o = 8 * (lane & 7);
+// A K / V chunk of an e4m3 pool lands in the upper half of its smem rows (bytes D .. 2D - 1 of each SROW row);
+// kv8_widen rewrites every row in place as bf16 (bytes 0 .. 2D - 1). Warp w of NW takes rows w, w + NW, ...; lane l
+// converts the row's bytes in pieces of at most 8 (E = D / 32 bytes a lane: bytes E l .. when E < 8, else 8 l + 256 k),
+// and reads a batch of rows whole before any lane of the warp writes one (__syncwarp), so no byte is overwritten
+// before it is read. Rows of other warps are never touched.
+template <int D, int NW>
+__device__ __forceinline__ void kv8_widen(uint8_t* buf, int warp, int lane) {
+    constexpr int E = D / 32, SROW = 2 * D + 16, RPW = CHUNK / NW, BATCH = RPW < 8 ? RPW : 8;
+    constexpr int PB = E < 8 ? E : 8, NP = E / PB;          // bytes a piece, pieces a lane a row
+    static_assert(CHUNK % NW == 0 && RPW % BATCH == 0, "kv8_widen rows");
 #pragma unroll
-    for (int i0 = 0; i0 < IT; i0 += BATCH) {
-        uint2 in[BATCH];
-        uint8_t* at[BATCH];
+    for (int r0 = 0; r0 < RPW; r0 += BATCH) {
+        uint32_t in[BATCH][NP][2];
 #pragma unroll
         for (int b = 0; b < BATCH; b++) {
-            int row, w;
-            unit(4 * (i0 + b) + g, row, w);
-            at[b] = buf + row * SROW + 128 * w;
-            in[b] = *reinterpret_cast<const uint2*>(at[b] + 64 + o);
+            const uint8_t* row = buf + (warp + NW * (r0 + b)) * SROW + D;
+#pragma unroll
+            for (int k = 0; k < NP; k++) {
+                const uint8_t* p = row + PB * lane + 32 * PB * k;
+                if constexpr (PB == 8) {
+                    const uint2 u = *reinterpret_cast<const uint2*>(p);
+                    in[b][k][0] = u.x;
+                    in[b][k][1] = u.y;
+                } else if constexpr (PB == 4) {
+                    in[b][k][0] = *reinterpret_cast<const uint32_t*>(p);
+                } else {
+                    in[b][k][0] = *reinterpret_cast<const uint16_t*>(p);
+                }
+            }
         }
         __syncwarp();
 #pragma unroll
-        for (int b = 0; b < BATCH; b++)
-            *reinterpret_cast<uint4*>(at[b] + 2 * o) =
-                make_uint4(e4m3x2_bf16x2(in[b].x), e4m3x2_bf16x2(in[b].x >> 16), e4m3x2_bf16x2(in[b].y),
-                           e4m3x2_bf16x2(in[b].y >> 16));
+        for (int b = 0; b < BATCH; b++) {
+            uint8_t* row = buf + (warp + NW * (r0 + b)) * SROW;
+#pragma unroll
+            for (int k = 0; k < NP; k++) {
+                uint8_t* q = row + 2 * (PB * lane + 32 * PB * k);
+                if constexpr (PB == 8) {
+                    *reinterpret_cast<uint4*>(q) = make_uint4(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16),
+                                                              e4m3x2_bf16x2(in[b][k][1]), e4m3x2_bf16x2(in[b][k][1] >> 16));
+                } else if constexpr (PB == 4) {
+                    *reinterpret_cast<uint2*>(q) = make_uint2(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16));
+                } else {
+                    *reinterpret_cast<uint32_t*>(q) = e4m3x2_bf16x2(in[b][k][0]);
+                }
+            }
+        }
     }
 }
+
 // ---------------------------------------------------------------------------------------------------------
 // Attention.
 // ---------------------------------------------------------------------------------------------------------
@@ -275,8 +292,9 @@ __device__ __forceinline__ void attn_tile(
     constexpr int NWG = C::NWG, KW = C::KW, NTS = C::NTS, SROW = C::SROW, PROW = C::PROW;
     constexpr int NT = MT * NWG * 32;           // threads
     constexpr int PPR = D / 8;                  // 16-byte pieces per Q row (and bf16 K / V row)
-    // K / V pool rows: ES bytes a value, KPR 16-byte pieces a row (e4m3: landing by kv8_col, widened by kv8_widen)
-    constexpr int ES = F8 ? 1 : 2, KPR = D * ES / 16;
+    // K / V pool rows: ES bytes a value, KPR 16-byte pieces a row, landing at byte KOFF of their smem row (e4m3: the
+    // upper half, widened in place by kv8_widen)
+    constexpr int ES = F8 ? 1 : 2, KPR = D * ES / 16, KOFF = F8 ? D : 0;
     static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0 && (CHUNK * KPR) % NT == 0, "load loops");
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* Ks = smem;                                        // [64 keys][SROW]
@@ -341,7 +359,7 @@ __device__ __forceinline__ void attn_tile(
         if constexpr (NT % KPR == 0 && KV_BLOCK % RS == 0) {
             const int w = tid / KPR, pc = tid % KPR;
             const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
-            const uint32_t sd = smem_u32(dst) + w * SROW + (F8 ? kv8_col(pc) : 16 * pc);
+            const uint32_t sd = smem_u32(dst) + KOFF + w * SROW + 16 * pc;
             const size_t step = (size_t)ES * RS * HD, piece = (size_t)ES * kvh * D + 16 * pc;
             const uint8_t* bp[CHUNK / KV_BLOCK];                // the thread's row w of each block
 #pragma unroll
@@ -377,7 +395,7 @@ __device__ __forceinline__ void attn_tile(
                 const bool ok = j >= kmin && j <= kmax;
                 const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
                 if (ok) src += (((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D) * ES + 16 * pc;
-                cp_async16(dst + kk * SROW + (F8 ? kv8_col(pc) : 16 * pc), src, ok);
+                cp_async16(dst + KOFF + kk * SROW + 16 * pc, src, ok);
             }
         }
     };
@@ -401,12 +419,9 @@ __device__ __forceinline__ void attn_tile(
             const int cn = c + cs;                              // next chunk of the pass, if <= ce
             cp_async_wait<1>();                                 // K(c) landed (V(c) may be in flight)
             __syncthreads();
-            if constexpr (F8) {           // this warp's K rows KW wg + mt + MT j, every slice (its S rows' keys)
-                kv8_widen<D, KW * NWG / MT>(Ks, lane, [&](int i, int& row, int& w) {
-                    row = KW * wg + mt + MT * (i / NWG);
-                    w = i % NWG;
-                });
-                if constexpr (MT > 1) __syncthreads(); else __syncwarp();
+            if constexpr (F8) {
+                kv8_widen<D, NT / 32>(Ks, warp, lane);
+                __syncthreads();
             }
 
             // --- S = Q K^T for rows of m-tile mt, keys KW wg + 8n + (0..7): d ascending, 16 per mma ---
@@ -485,12 +500,9 @@ __device__ __forceinline__ void attn_tile(
             }
             cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
             __syncthreads();                                    // ... for everyone; P and the sums visible
-            if constexpr (F8) {           // this warp's V slice wg, rows mt + MT j (its P.V columns)
-                kv8_widen<D, CHUNK / MT>(Vs, lane, [&](int i, int& row, int& w) {
-                    row = mt + MT * i;
-                    w = wg;
-                });
-                if constexpr (MT > 1) __syncthreads(); else __syncwarp();
+            if constexpr (F8) {
+                kv8_widen<D, NT / 32>(Vs, warp, lane);
+                __syncthreads();
             }
             float lrow[2];
             over_warps<NWG>(rsum, g, lrow, [](float x, float y) { return __fadd_rn(x, y); });
