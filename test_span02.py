@@ -4563,10 +4563,21 @@ def _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v):
 def test_gpu_qkv_prep_fused_kv_write(g, geo):
     """qkv_prep_gpu(kv=pools) stores into the pools exactly the k / v rows the dense outputs hold, for 37 rows (the
     per-(row, head) kernel) and 301 rows (the row kernel, T > QK_HEAD_MAX_T) of three / two sequences."""
+    rng = np.random.default_rng(11)
+    sc = Scene(g, rng, [300, 41, 1], GEO[geo]["Hkv"], GEO[geo]["D"])
+
+    def check(rows_seq, rows_pos, k, v):
+        sc.k, sc.v = _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v)    # the next case starts from these
+    _qkv_prep_fused_cases(g, rng, geo, (sc.dk, sc.dv), sc.dt, check)
+    sc.close()
+
+
+def _qkv_prep_fused_cases(g, rng, geo, pools, tables, check):
+    """qkv_prep_gpu(kv=(*pools, rows_seq, tables)) for 37 rows (the per-(row, head) kernel) and 301 rows (the row
+    kernel, T > QK_HEAD_MAX_T) of the sequences of a Scene of lengths [300, 41, 1]: its q bytes are the dense call's,
+    then check(rows_seq, rows_pos, k, v) gets the dense call's k / v rows, which the pools should now hold."""
     D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
     k_eq_v = not GEO[geo]["sliding"]
-    rng = np.random.default_rng(11)
-    sc = Scene(g, rng, [300, 41, 1], Hkv, D)
     inv = g.upload(A.rope_inv_freq(Rope("default", 1e4, 1.0), D))
     wq, wk = g.upload(bf(rng.uniform(0.3, 1.7, D))), g.upload(bf(rng.uniform(0.3, 1.7, D)))
     cases = ((np.array([0] * 29 + [1] * 7 + [2], np.int32),                  # positions unique per sequence
@@ -4584,15 +4595,14 @@ def test_gpu_qkv_prep_fused_kv_write(g, geo):
         A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, ko, vo)
         k, v, q_dense = g.download(ko), g.download(vo), g.download(qo)
         g.fill(qo, 0xFF)
-        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(sc.dk, sc.dv, rs, sc.dt))
+        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(*pools, rs, tables))
         assert (bits(g.download(qo)) == bits(q_dense)).all(), f"T={T}"
-        sc.k, sc.v = _assert_pools_hold(g, sc, rows_seq, rows_pos, k, v)    # the next case starts from these
+        check(rows_seq, rows_pos, k, v)
         for a in (qi, ki, vi, rs, rp, qo, ko, vo):
             if a is not None:
                 g.free(a)
     for a in (inv, wq, wk):
         g.free(a)
-    sc.close()
 
 
 # --- attention ---------------------------------------------------------------------------------------------
@@ -5629,6 +5639,20 @@ def _graph_prefill(models, n, rng, steps=8):
     return seqs, [o.argmax for o in outs[0]]
 
 
+def _graph_against_eager(on, off, batch, rng, steps):
+    """After an identical prefill of `batch` sequences, `steps` greedy decode steps through on's graphs and through
+    off's eager steps: the same argmax, key logits and logsumexp bytes at every step, every step of on a replay."""
+    seqs, toks = _graph_prefill([on, off], batch, rng)
+    n0 = on.decode_graph_steps
+    for step in range(steps):
+        got = on.step(_graph_decode(seqs, toks, step))
+        ref = off.step(_graph_decode(seqs, toks, step))
+        assert [_graph_out_bytes(a) for a in got] == [_graph_out_bytes(a) for a in ref], (batch, step)
+        assert all(o.argmax is not None and 0 <= o.argmax < on.cfg.text.vocab for o in got)
+        toks = [o.argmax for o in got]
+    assert on.decode_graph_steps == n0 + steps and off.decode_graph_steps == 0
+
+
 def _graph_decode(seqs, toks, step):
     """The decode step `step` (0-based) of every sequence: one token, argmax, its readout keys."""
     return [SeqStep((int(tok),), len(t) + step, b, readout=k, argmax=True) for (t, b, k), tok in zip(seqs, toks)]
@@ -5641,16 +5665,7 @@ def test_gpu_graph_decode_matches_eager(graph_pair, batch):
     eager step give byte-identical argmax, key logits and logsumexp (above 64 rows the graphs' attention takes its
     split path, the eager step the fused one)."""
     on, off = graph_pair
-    rng = np.random.default_rng(100 + batch)
-    seqs, toks = _graph_prefill([on, off], batch, rng)
-    n0 = on.decode_graph_steps
-    for step in range(8):
-        got = on.step(_graph_decode(seqs, toks, step))
-        ref = off.step(_graph_decode(seqs, toks, step))
-        assert [_graph_out_bytes(a) for a in got] == [_graph_out_bytes(a) for a in ref], (batch, step)
-        assert all(o.argmax is not None and 0 <= o.argmax < on.cfg.text.vocab for o in got)
-        toks = [o.argmax for o in got]
-    assert on.decode_graph_steps == n0 + 8 and off.decode_graph_steps == 0
+    _graph_against_eager(on, off, batch, np.random.default_rng(100 + batch), 8)
     bucket = next(b for b in sorted(on.graph_launches) if b >= batch)
     print(f"batch {batch}: bucket {bucket}, {on.graph_launches[bucket]} launches per replay, 8 steps byte-identical")
 
@@ -6500,8 +6515,7 @@ def test_gpu_kv_writes_e4m3(g, geo):
     """Into e4m3 pools, kv_write_gpu and qkv_prep_gpu(kv=...) (the per-(row, head) kernel at 37 rows, the row kernel
     at 301) store exactly kv_round's e4m3 of the bf16 k / v rows (nearest even, saturated: some inputs beyond 448
     and in the subnormal range), at the right pool rows, and nothing else."""
-    D, Hkv, HQ = GEO[geo]["D"], GEO[geo]["Hkv"], GEO[geo]["Hq"]
-    k_eq_v = not GEO[geo]["sliding"]
+    D, Hkv = GEO[geo]["D"], GEO[geo]["Hkv"]
     rng = np.random.default_rng(62)
     sc = Scene(g, rng, [300, 41, 1], Hkv, D)
     sc8, (k8, v8) = _scene8(g, sc)
@@ -6523,31 +6537,14 @@ def test_gpu_kv_writes_e4m3(g, geo):
         return ek, ev
 
     A.kv_write_gpu(g, dk, dv, sc8.dk, sc8.dv, rs, rp, sc.dt)
-    k8, v8 = expect(k8, v8, rows_seq, rows_pos, k, v)
+    held = list(expect(k8, v8, rows_seq, rows_pos, k, v))
     for a in (dk, dv, rs, rp):
         g.free(a)
-    inv = g.upload(A.rope_inv_freq(Rope("default", 1e4, 1.0), D))
-    wq, wk = g.upload(bf(rng.uniform(0.3, 1.7, D))), g.upload(bf(rng.uniform(0.3, 1.7, D)))
-    cases = ((rows_seq, rows_pos), (np.array([0] * 260 + [1] * 41, np.int32),
-                                    np.concatenate([np.arange(40, 300), np.arange(0, 41)]).astype(np.int32)))
-    assert len(cases[0][0]) <= A.QK_HEAD_MAX_T < len(cases[1][0])
-    for rows_seq, rows_pos in cases:
-        T = len(rows_seq)
-        qi = g.upload(bf(rng.standard_normal((T, HQ, D), np.float32)))
-        ki = g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
-        vi = None if k_eq_v else g.upload(bf(rng.standard_normal((T, Hkv, D), np.float32)))
-        rs, rp = g.upload(rows_seq), g.upload(rows_pos)
-        qo, ko, vo = g.empty((T, HQ, D), BF), g.empty((T, Hkv, D), BF), g.empty((T, Hkv, D), BF)
-        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, ko, vo)
-        kd, vd, q_dense = g.download(ko), g.download(vo), g.download(qo)
-        g.fill(qo, 0xFF)
-        A.qkv_prep_gpu(g, qi, ki, vi, wq, wk, inv, rp, EPS, qo, None, None, kv=(sc8.dk, sc8.dv, rs, sc.dt))
-        assert (bits(g.download(qo)) == bits(q_dense)).all(), f"T={T}"
-        k8, v8 = expect(k8, v8, rows_seq, rows_pos, kd, vd)
-        for a in (qi, ki, vi, rs, rp, qo, ko, vo):
-            if a is not None:
-                g.free(a)
-    for a in (inv, wq, wk, sc8.dk, sc8.dv):
+
+    def check(rows_seq, rows_pos, k, v):
+        held[:] = expect(*held, rows_seq, rows_pos, k, v)
+    _qkv_prep_fused_cases(g, rng, geo, (sc8.dk, sc8.dv), sc.dt, check)
+    for a in (sc8.dk, sc8.dv):
         g.free(a)
     sc.close()
 
@@ -6595,15 +6592,7 @@ def test_gpu_graph_decode_e4m3_matches_eager(batch):
     kw = dict(device="gpu", max_len=1024, max_seqs=129, decode_rows=128, kv_dtype="fp8")
     on, off = model_mod.load(span02.DEMO_DIR, **kw), model_mod.load(span02.DEMO_DIR, graphs=False, **kw)
     try:
-        rng = np.random.default_rng(300 + batch)
-        seqs, toks = _graph_prefill([on, off], batch, rng)
-        n0 = on.decode_graph_steps
-        for step in range(6):
-            got = on.step(_graph_decode(seqs, toks, step))
-            ref = off.step(_graph_decode(seqs, toks, step))
-            assert [_graph_out_bytes(a) for a in got] == [_graph_out_bytes(a) for a in ref], (batch, step)
-            toks = [o.argmax for o in got]
-        assert on.decode_graph_steps == n0 + 6
+        _graph_against_eager(on, off, batch, np.random.default_rng(300 + batch), 6)
     finally:
         on.close()
         off.close()
