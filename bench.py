@@ -46,6 +46,7 @@ import time
 import numpy as np
 
 from checkpoint import CheckpointError, save_safetensors, span02_quantization_config, unfit_output_dir
+from config import KV_DTYPES
 
 FULL_TEXT = dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
@@ -547,7 +548,7 @@ def main(argv=None):
     r.add_argument("--peer-args", default="", help="extra arguments for bench_peer.py, one string "
                                                    "(e.g. '--device cpu --context 64' for tests)")
     r.add_argument("--peer-timeout", type=float, default=480.0, help="seconds (default %(default)s)")
-    r.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"],
+    r.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
                    help="KV cache of our model and server (default %(default)s: the figures of record)")
     ns = ap.parse_args(argv)
     try:

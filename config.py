@@ -231,6 +231,9 @@ class PolicyConfig:
     blend_truncated: float = 0.5   # ... when it was cut (cap, budget, deadline)
 
 
+KV_DTYPES = ("bf16", "fp8")        # what the KV cache keeps (layers.attention.kv_round)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -265,7 +268,7 @@ class EngineConfig:
             (self.device in ("auto", "cpu", "gpu"), f"device must be auto, cpu or gpu, not {self.device!r}"),
             (self.max_len >= 64, "max-len must be at least 64"),
             (self.kv_tokens >= 0, "kv-tokens must be >= 0 (0: sized at load)"),
-            (self.kv_dtype in ("bf16", "fp8"), f"kv-dtype must be bf16 or fp8, not {self.kv_dtype!r}"),
+            (self.kv_dtype in KV_DTYPES, f"kv-dtype must be {' or '.join(KV_DTYPES)}, not {self.kv_dtype!r}"),
             (self.max_batch >= 1, "max-batch must be at least 1"),
             (self.prefill_chunk >= 16, "prefill chunk must be at least 16"),
             (0.0 <= p.tau, "tau must be >= 0"),

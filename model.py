@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from checkpoint import Checkpoint, quantize_checkpoint
-from config import ConfigError, ModelConfig, load_model_config
+from config import KV_DTYPES, ConfigError, ModelConfig, load_model_config
 from layers import attention, embed, moe
 from layers.attention import BLOCK
 from layers.mlp import gated_mlp
@@ -124,8 +124,8 @@ class Model(StepTools):
 
     def __init__(self, cfg: ModelConfig, ck, kv_tokens=1 << 16, name="model", kv_dtype="bf16"):
         t = cfg.text
-        if kv_dtype not in attention.KV_DTYPES:
-            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(attention.KV_DTYPES)}")
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
         self.cfg, self.name, self.device, self.kv_dtype = cfg, name, "cpu", kv_dtype
         p = ck.text_prefix
         self.embed_table = ck.tensor(f"{p}embed_tokens.weight", (t.vocab, t.hidden))    # (V, H) f32
@@ -208,7 +208,7 @@ def load(model_dir, device="cpu", kv_tokens=1 << 14, quantize=False, kv_dtype="b
     """Load a model directory (config.json, safetensors) on a backend: "cpu" (the numpy reference), "gpu"
     (model_gpu.GpuModel), or "auto" (the GPU when there is one). kv_tokens: KV pool positions; 0 sizes it from the
     GPU's free memory (model_gpu.auto_kv_tokens, at most gpu_kw's kv_cap) or, on the CPU, CPU_KV_TOKENS.
-    kv_dtype: what the KV cache keeps, "bf16" or "fp8" (layers.attention.KV_DTYPES, kv_round)."""
+    kv_dtype: what the KV cache keeps, "bf16" or "fp8" (config.KV_DTYPES, layers.attention.kv_round)."""
     import gpu
     if device == "auto":
         device = "gpu" if gpu.available() else "cpu"

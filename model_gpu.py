@@ -5,8 +5,8 @@ the scheduler, policy and server run unchanged on it. bf16 activations, weights 
 (FP8 dense layers, NVFP4 experts, bf16 embeddings / norms / router), fp32 accumulation and softmax.
 
 Memory: everything is allocated at load: weights, the paged KV pools (per layer (blocks, 16, Hkv, D) bf16, or e4m3
-with kv_dtype "fp8" (layers.attention.kv_round), the layout of the CPU reference), and one workspace sized for `max_rows` rows per step; a step only takes
-views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
+with kv_dtype "fp8" (layers.attention.kv_round), the layout of the CPU reference), and one workspace sized for
+`max_rows` rows per step; a step only takes views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
 numbers do not depend on the other sequences of the step or on how its prefill was chunked.
 
 Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer; a shape's second such step
@@ -44,7 +44,7 @@ from model import SeqOut, StepTools
 from step_plans import StepPlans
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-KV_POOL_DTYPES = {"bf16": BF16, "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}   # by kv_dtype (attention.KV_DTYPES)
+KV_POOL_DTYPES = {"bf16": BF16, "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}   # by kv_dtype (config.KV_DTYPES)
 # Bytes of split-attention scratch (attention_work_bytes): the largest decode graph's rows in one group, within
 # these bounds (512 rows at max_len 8192 take 2.02 GiB); attention_gpu runs the rows of a larger step in groups.
 ATTN_WORK, ATTN_WORK_MAX = 256 << 20, 3 << 30

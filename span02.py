@@ -19,7 +19,7 @@ import threading
 import time
 
 from checkpoint import CheckpointError, unfit_output_dir
-from config import ConfigError, CostTableError, EngineConfig, PolicyConfig
+from config import KV_DTYPES, ConfigError, CostTableError, EngineConfig, PolicyConfig
 from prompt import PromptError
 
 log = logging.getLogger("span02")
@@ -58,7 +58,7 @@ def _serve_args(p):
     a("--kv-tokens", type=int, default=d.kv_tokens,
       help="KV cache size in tokens, shared by all sequences through the prefix cache (default 0: on the GPU 90%% "
            "of the memory free after the weights, less 2 GiB, at most max-batch x max-len; on the CPU 16384)")
-    a("--kv-dtype", default=d.kv_dtype, choices=["bf16", "fp8"],
+    a("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES,
       help="what the KV cache keeps: bf16, or fp8 (e4m3: half the bytes a position, so about twice the positions; "
            "K and V rounded, so answers differ from bf16's; README) (default %(default)s)")
     a("--tau", type=float, default=dp.tau, help="gate: answer at once when max probability >= tau (default %(default)s)")

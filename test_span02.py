@@ -6564,9 +6564,9 @@ def demo_pair8():
 # tests above check the fp8 arithmetic itself byte for byte.
 @needs_gpu
 def test_gpu_demo_e4m3_kv_logits(demo_pair, demo_pair8):
-    """kv_dtype fp8 on the GPU: its pools are e4m3; its logits are near the fp8 reference's (the CPU model rounding K / V
-    as kv_round) within the reach above, nearer to them than the bf16 GPU model's, and not the bf16 GPU model's
-    bytes."""
+    """kv_dtype fp8 on the GPU: its pools are e4m3; its logits are near the fp8 reference's (the CPU model rounding
+    K / V as kv_round) within the reach above, nearer to them than the bf16 GPU model's, and not the bf16 GPU
+    model's bytes."""
     cpu8, dev8 = demo_pair8
     dev = demo_pair[1]
     assert dev8.k_pool[0].dtype == np.dtype(ml_dtypes.float8_e4m3fn) and dev8.kv_dtype == "fp8"

@@ -37,7 +37,8 @@ __device__ __forceinline__ uint32_t e4m3x2_bf16x2(uint32_t v) {
 
 // A K / V chunk of an e4m3 pool lands in the upper half of its smem rows (bytes D .. 2D - 1 of each SROW row);
 // kv8_widen rewrites every row in place as bf16 (bytes 0 .. 2D - 1). Warp w of NW takes rows w, w + NW, ...; lane l
-// converts the row's bytes in pieces of at most 8 (E = D / 32 bytes a lane: bytes E l .. when E < 8, else 8 l + 256 k),
+// converts the row's bytes in pieces of at most 8 (E = D / 32 bytes a lane: bytes E l .. when E < 8, else 8 l +
+// 256 k),
 // and reads a batch of rows whole before any lane of the warp writes one (__syncwarp), so no byte is overwritten
 // before it is read. Rows of other warps are never touched.
 template <int D, int NW>
@@ -72,11 +73,12 @@ __device__ __forceinline__ void kv8_widen(uint8_t* buf, int warp, int lane) {
 #pragma unroll
             for (int k = 0; k < NP; k++) {
                 uint8_t* q = row + 2 * (PB * lane + 32 * PB * k);
+                const uint32_t* w = in[b][k];
                 if constexpr (PB == 8) {
-                    *reinterpret_cast<uint4*>(q) = make_uint4(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16),
-                                                              e4m3x2_bf16x2(in[b][k][1]), e4m3x2_bf16x2(in[b][k][1] >> 16));
+                    *reinterpret_cast<uint4*>(q) = make_uint4(e4m3x2_bf16x2(w[0]), e4m3x2_bf16x2(w[0] >> 16),
+                                                              e4m3x2_bf16x2(w[1]), e4m3x2_bf16x2(w[1] >> 16));
                 } else if constexpr (PB == 4) {
-                    *reinterpret_cast<uint2*>(q) = make_uint2(e4m3x2_bf16x2(in[b][k][0]), e4m3x2_bf16x2(in[b][k][0] >> 16));
+                    *reinterpret_cast<uint2*>(q) = make_uint2(e4m3x2_bf16x2(w[0]), e4m3x2_bf16x2(w[0] >> 16));
                 } else {
                     *reinterpret_cast<uint32_t*>(q) = e4m3x2_bf16x2(in[b][k][0]);
                 }
@@ -394,7 +396,8 @@ __device__ __forceinline__ void attn_tile(
                 const int idx = tid + it * NT, kk = idx / KPR, pc = idx % KPR, j = c * CHUNK + kk;
                 const bool ok = j >= kmin && j <= kmax;
                 const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
-                if (ok) src += (((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D) * ES + 16 * pc;
+                if (ok)
+                    src += (((size_t)bt[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * HD + (size_t)kvh * D) * ES + 16 * pc;
                 cp_async16(dst + KOFF + kk * SROW + 16 * pc, src, ok);
             }
         }

@@ -7,6 +7,7 @@ sequence lives in block `table[p // 16]`, slot `p % 16`.
 import ml_dtypes
 import numpy as np
 
+from config import KV_DTYPES
 from layers.norm import rmsnorm
 
 BLOCK = 16  # positions per KV block
@@ -14,8 +15,8 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 # What the KV pools hold: "bf16" (the default; the GPU's pools, the reference keeps float32) or "fp8", an opt-in mode
 # that halves the cache's bytes: each K / V value is the bf16 value rounded to float8 e4m3 (nearest even, saturated
-# at +-448), the rounding the GPU's KV writes make (attention.cu). Everything else is the same arithmetic.
-KV_DTYPES = ("bf16", "fp8")
+# at +-448), the rounding the GPU's KV writes make (attention.cu). Everything else is the same arithmetic. (KV_DTYPES:
+# config.py.)
 E4M3_MAX = 448.0
 
 
