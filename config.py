@@ -234,6 +234,12 @@ class PolicyConfig:
 KV_DTYPES = ("bf16", "fp8")        # what the KV cache keeps (layers.attention.kv_round)
 
 
+def check_kv_dtype(kv_dtype):
+    """The models' check of their kv_dtype (model.Model, model_gpu.GpuModel): ConfigError unless one of KV_DTYPES."""
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from checkpoint import Checkpoint, quantize_checkpoint
-from config import KV_DTYPES, ConfigError, ModelConfig, load_model_config
+from config import ConfigError, ModelConfig, check_kv_dtype, load_model_config
 from layers import attention, embed, moe
 from layers.attention import BLOCK
 from layers.mlp import gated_mlp
@@ -124,8 +124,7 @@ class Model(StepTools):
 
     def __init__(self, cfg: ModelConfig, ck, kv_tokens=1 << 16, name="model", kv_dtype="bf16"):
         t = cfg.text
-        if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+        check_kv_dtype(kv_dtype)
         self.cfg, self.name, self.device, self.kv_dtype = cfg, name, "cpu", kv_dtype
         p = ck.text_prefix
         self.embed_table = ck.tensor(f"{p}embed_tokens.weight", (t.vocab, t.hidden))    # (V, H) f32

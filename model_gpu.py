@@ -6,8 +6,9 @@ the scheduler, policy and server run unchanged on it. bf16 activations, weights 
 
 Memory: everything is allocated at load: weights, the paged KV pools (per layer (blocks, 16, Hkv, D) bf16, or e4m3
 with kv_dtype "fp8" (layers.attention.kv_round), the layout of the CPU reference), and one workspace sized for
-`max_rows` rows per step; a step only takes views of it. Every kernel computes a row from that row's inputs alone in a fixed order, so a sequence's
-numbers do not depend on the other sequences of the step or on how its prefill was chunked.
+`max_rows` rows per step; a step only takes views of it. Every kernel computes a row from that row's inputs alone
+in a fixed order, so a sequence's numbers do not depend on the other sequences of the step or on how its prefill
+was chunked.
 
 Prefill (and any step that is not pure decode) runs eagerly: Python launches per layer; a shape's second such step
 is recorded as its plan, which its later steps replay without the Python (step_plans.py). A pure decode step
@@ -38,7 +39,7 @@ from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_
                         upload_experts, x_perm_ok as moe_x_perm_ok)
 from layers.norm import post_attn_norms_gpu, post_ffn_norms_gpu, rmsnorm_gpu
 from layers.vision_tower import encode_image, load_vision
-from config import ConfigError
+from config import ConfigError, check_kv_dtype
 from decode_graphs import DECODE_BUCKETS, DECODE_ROWS, MAX_KEYS_OUT, DecodeGraphs, decode_buckets, decode_max_keys
 from model import SeqOut, StepTools
 from step_plans import StepPlans
@@ -98,8 +99,7 @@ class GpuModel(DecodeGraphs, StepTools):
     def __init__(self, cfg, ck, kv_tokens=1 << 14, max_rows=MAX_ROWS, max_seqs=256, max_len=8192, name="model",
                  graphs=True, kv_cap=None, decode_rows=DECODE_ROWS, kv_dtype="bf16"):
         t = cfg.text
-        if kv_dtype not in KV_POOL_DTYPES:
-            raise ConfigError(f"kv dtype {kv_dtype!r}: one of {', '.join(KV_POOL_DTYPES)}")
+        check_kv_dtype(kv_dtype)
         self.cfg, self.name, self.device, self.kv_dtype = cfg, name, "gpu", kv_dtype
         self.prune_last, self.pruned_steps = True, 0    # the last layer on the head's rows only (module docstring)
         self.g = g = gpu.GPU()
