@@ -32,7 +32,7 @@ import numpy as np
 
 import gpu
 from layers import attention, embed, linear
-from layers.attention import BLOCK, attention_gpu, qkv_prep_gpu
+from layers.attention import ATTN_FUSED_WG, BLOCK, attention_gpu, attention_plan, kv_widen_gpu, qkv_prep_gpu
 from layers.embed import argmax_gpu, embed_gpu, head_work_bytes, readout_gpu, softcap_gpu
 from layers.linear import head_gpu, linear_gpu, linear_multi_gpu, mlp_gpu, upload_linear, x_slots_ok
 from layers.moe import (moe_gpu, moe_workspace, post_attn_router_gpu, post_attn_router_ok, router_gpu,
@@ -61,6 +61,9 @@ KV_AUTO_FRACTION, KV_AUTO_RESERVE, KV_AUTO_MIN = 0.9, 2 << 30, 4096
 # from layers.linear.W16_KEPT_MIN_T tokens, not W16_MIN_T). They count as weight memory (the full-size model: 14.94
 # GiB of weights + 0.97 GiB kept = 15.90, under performance.md's 16). 0: none kept.
 W16_KEEP_BYTES = 1 << 30
+# fp8 KV pools on sm_90: bytes of the bf16 copies of a step's blocks that its fused (prompt) attention reads through
+# the wgmma tile (layers.attention.attention_plan, kv_widen_gpu), K and V together; at least one longest sequence's.
+KV_WIDE_BYTES = 256 << 20
 
 
 def kv_position_bytes(cfg, kv_dtype="bf16"):
@@ -164,7 +167,16 @@ class GpuModel(DecodeGraphs, StepTools):
         self.ws = {n: g.empty((R, w), BF16) for n, w in (
             ("x", H), ("xn", H), ("h", H), ("a", H), ("m", H), ("e_in", H), ("e", H), ("r", H),
             ("q_in", Dq), ("k_in", Dkv), ("v_in", Dkv), ("q", Dq), ("attn", Dq), ("act", I))}
+        # fp8 pools and the wgmma prompt tile: bf16 copies of the blocks a step's fused attention reads (K, V; each
+        # layer's view of them is (wide_cap, 16, Hkv, D)), and their tables and block lists among the step's inputs
+        wide = [geo for geo in t.layers if geo.head_dim in (ATTN_FUSED_WG or {})]
+        self.wide_cap, self.kv_wide = 0, None
+        if self.kv_dtype == "fp8" and wide and g.capability == (9, 0):
+            per = max(2 * BLOCK * geo.kv_heads * geo.head_dim for geo in wide)     # bytes of a bf16 block
+            self.wide_cap = max(self.max_blocks, KV_WIDE_BYTES // 2 // per)
+            self.kv_wide = [g.empty((self.wide_cap * per,), np.uint8) for _ in range(2)]
         n_in = 3 * R + S * self.max_blocks + S * MAX_IMAGES * 2 + 4 * S + MAX_KEYS_OUT   # _step_inputs' words
+        n_in += 2 * 2 * 2 * S * self.max_blocks if self.wide_cap else 0    # 2 plans' tab (2, S, mb) and src lists
         self.ws.update(inp=g.empty((n_in,), np.int32),
                        weights=g.empty((R, t.top_k), np.float32), idx=g.empty((R, t.top_k), np.int32),
                        attn_work=g.empty((attention_work_bytes(t, self.max_blocks, max(self.buckets)) // 4,),
@@ -231,8 +243,10 @@ class GpuModel(DecodeGraphs, StepTools):
         keys = sorted({k for j in last for k in seqs[j].readout})
         if len(keys) > MAX_KEYS_OUT:
             raise ValueError(f"a step of {len(keys)} distinct readout keys: at most {MAX_KEYS_OUT}")
-        ids, pos, rows_seq, tab, sp, keep_v, sel, kd = self._step_inputs(seqs, lens, offsets, mb, max(n_img, 1),
-                                                                         keep, rows, keys)
+        plans, extra = self._attn_plans(seqs, lens, keep)
+        ids, pos, rows_seq, tab, sp, keep_v, sel, kd, ext = self._step_inputs(seqs, lens, offsets, mb, max(n_img, 1),
+                                                                              keep, rows, keys, extra)
+        plans = self._plans_on_device(plans, ext)
 
         def launches():                            # everything of the step between its upload and its downloads
             x = self._v("x", T, t.hidden)
@@ -242,7 +256,7 @@ class GpuModel(DecodeGraphs, StepTools):
                     r = o + im.start - s.start
                     g.upload(np.asarray(im.embeds, np.float32).astype(BF16),
                              out=g.view(self.ws["x"], r * t.hidden * 2, (len(im.embeds), t.hidden), BF16))
-            self._stack(T, pos, rows_seq, tab, sp, keep_v)
+            self._stack(T, pos, rows_seq, tab, sp, keep_v, plans)
             if last:
                 self._head_run(sel, kd if keys else None, len(last), len(keys))
         shape = None if n_img or any(s.logits for s in seqs) else (   # step_plans' key: what the launches hang on
@@ -264,21 +278,25 @@ class GpuModel(DecodeGraphs, StepTools):
                 outs[j] = dataclasses.replace(last_row, logits=np.concatenate([c["logits"] for c in chunks]))
         return outs
 
-    def _step_inputs(self, seqs, lens, offsets, mb, n_spans, keep=None, head_rows=(), head_keys=()):
+    def _step_inputs(self, seqs, lens, offsets, mb, n_spans, keep=None, head_rows=(), head_keys=(), extra=()):
         """An eager step's int32 inputs in one upload: written into the pinned staging array (after its last copy
         has run), copied at once to ws["inp"], returned as views of it: ids (T), pos (T), rows_seq (T), tables
         (S, mb), spans (S, n_spans, 2) (image start, rows), keep (3, R) (_keep_rows; None when every row goes
-        on), and the head's rows and readout keys. One copy in place of eight: on an idle GPU each of a step's
-        first submissions costs ~0.1 ms, whatever it is (BENCHMARKS.md, thirty-first session); and a step's
-        plan (step_plans) finds all its data in place."""
+        on), the head's rows and readout keys, and a list of views of the `extra` int32 arrays (the attention
+        plans' tables: _attn_plans). One copy in place of eight: on an idle GPU each of a step's first submissions
+        costs ~0.1 ms, whatever it is (BENCHMARKS.md, thirty-first session); and a step's plan (step_plans) finds
+        all its data in place."""
         g, T, S = self.g, offsets[-1], len(seqs)
         shapes = [(T,), (T,), (T,), (S, mb), (S, n_spans, 2)] + ([] if keep is None else [keep.shape]) + [
-            (len(head_rows),), (len(head_keys),)]
+            (len(head_rows),), (len(head_keys),)] + [a.shape for a in extra]
         ends = list(itertools.accumulate((math.prod(sh) for sh in shapes), initial=0))
         g.wait(self.inp_copied)
         h = self.inp_host
-        ids, pos, rows_seq, tab, sp, *kept, sel, kd = [h[a:b].reshape(sh) for a, b, sh in zip(ends, ends[1:], shapes)]
+        arrays = [h[a:b].reshape(sh) for a, b, sh in zip(ends, ends[1:], shapes)]
+        ids, pos, rows_seq, tab, sp, *kept, sel, kd = arrays[:len(arrays) - len(extra)]
         sel[:], kd[:] = head_rows, head_keys
+        for dst, a in zip(arrays[len(arrays) - len(extra):], extra):
+            dst[...] = a
         tab[:], sp[:] = 0, 0
         for j, (s, o, n) in enumerate(zip(seqs, offsets, lens)):
             ids[o:o + n] = s.tokens
@@ -292,7 +310,8 @@ class GpuModel(DecodeGraphs, StepTools):
         g.upload(h[:ends[-1]], out=g.view(self.ws["inp"], 0, (ends[-1],), np.int32))
         g.record(self.inp_copied)
         views = [g.view(self.ws["inp"], 4 * a, sh, np.int32) for a, sh in zip(ends, shapes)]
-        return views[:5] + ([None] if keep is None else views[5:6]) + views[-2:]
+        views, ext = views[:len(views) - len(extra)], views[len(views) - len(extra):]
+        return views[:5] + ([None] if keep is None else views[5:6]) + views[-2:] + [ext]
 
     def _keep_rows(self, seqs, offsets, lens):
         """The rows the last layer keeps (prune_last): the last row of each readout / argmax sequence, in sequence
@@ -306,13 +325,37 @@ class GpuModel(DecodeGraphs, StepTools):
             return None
         return np.asarray(rows, np.int32).reshape(len(rows), 3).T
 
-    def _stack(self, T, pos, rows_seq, tab, spans, keep):
-        """The decoder layers of an eager step over its T rows, the last one keeping `keep`'s rows (_keep_rows)."""
+    def _stack(self, T, pos, rows_seq, tab, spans, keep, plans):
+        """The decoder layers of an eager step over its T rows, the last one keeping `keep`'s rows (_keep_rows);
+        plans: its attention's (_attn_plans, on the device)."""
         self._first_norm(T)
         last, xn_slots = len(self.layers) - 1, False
         for i, (w, geo) in enumerate(zip(self.layers, self.cfg.text.layers)):
             xn_slots = self._layer(i, w, geo, T, pos, rows_seq, tab, spans, keep=keep if i == last else None,
-                                   xn_slots=xn_slots)
+                                   xn_slots=xn_slots, plans=plans)
+
+    def _attn_plans(self, seqs, lens, keep):
+        """An eager step's attention plans (layers.attention.attention_plan) for all its rows and for the last
+        layer's kept rows (None without keep), as (runs, tab, src) on the host, and the int32 arrays that go up
+        with the step's inputs (tab and src of each plan with bf16 copies: self.wide_cap)."""
+        t = self.cfg.text
+        starts, tables = [s.start for s in seqs], [s.blocks for s in seqs]
+        plans = [attention_plan(lens, starts, tables, t.window, self.wide_cap)]
+        if keep is not None:
+            n_rows = np.bincount(keep[2], minlength=len(seqs))
+            plans.append(attention_plan(n_rows, starts, tables, t.window, self.wide_cap))
+        extra = [a for _, tab, src in plans if tab is not None for a in (tab, *src)]
+        return plans, extra
+
+    @staticmethod
+    def _plans_on_device(plans, views):
+        """_attn_plans' plans with their tab and src as the uploaded views (in that order); (all, kept or None)."""
+        out, views = [], list(views)
+        for runs, tab, src in plans:
+            if tab is not None:
+                tab, src = views.pop(0), [views.pop(0), views.pop(0)]
+            out.append((runs, tab, src))
+        return out[0], out[1] if len(out) > 1 else None
 
     def _first_norm(self, T):
         """xn = layer 0's input_layernorm(x); every later layer's comes fused at the end of the one before."""
@@ -321,12 +364,13 @@ class GpuModel(DecodeGraphs, StepTools):
                     t.eps)
 
     def _layer(self, i, w, geo, T, pos, rows_seq, tab, spans, max_keys=None, keep=None, xn_slots=False,
-               decode=False):
+               decode=False, plans=None):
         """One decoder layer over the step's T rows. keep (3, R) int32 (row | pos | rows_seq, _keep_rows): after
         every row's K/V is written, only those R rows go on (moved to rows 0 .. R-1). xn_slots: xn comes in
         x16_bf16's slot order (the layer before wrote it so: layers.linear.x_slots_ok). decode: every row is its
         own sequence's one new position (the decode graphs), so attention takes its split path at any T (the same
-        bytes as the fused one). Returns whether this layer left the next one's xn in the slot order."""
+        bytes as the fused one). plans (an eager step's: _attn_plans, on the device): its attention's runs over
+        all rows and over the kept rows. Returns whether this layer left the next one's xn in the slot order."""
         g, t, eps = self.g, self.cfg.text, self.cfg.text.eps
         H, D, Hq, Hkv, I = t.hidden, geo.head_dim, t.heads, geo.kv_heads, t.intermediate
         xn = self._v("xn", T, H)                                 # xn = input_layernorm(x) here
@@ -344,10 +388,13 @@ class GpuModel(DecodeGraphs, StepTools):
         x, xn, h = self._v("x", T, H), self._v("xn", T, H), self._v("h", T, H)
         attn = self._v("attn", T, Hq * D)
         o_in = x_slots_ok(g, T, [w["self_attn.o_proj"]])          # attn straight to o_proj's `_ss`
-        o_in = attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab,
-                             spans if t.bidirectional_vision else None, t.window, geo.sliding, attn,
-                             max_keys=max_keys, work=self.ws["attn_work"], out_slots=o_in,
-                             split=True if decode else None)
+        sp = spans if t.bidirectional_vision else None
+        if plans is None:
+            o_in = attention_gpu(g, q, self.k_pool[i], self.v_pool[i], rows_seq, pos, tab, sp, t.window, geo.sliding,
+                                 attn, max_keys=max_keys, work=self.ws["attn_work"], out_slots=o_in,
+                                 split=True if decode else None)
+        else:
+            o_in = self._attention(i, geo, q, rows_seq, pos, tab, sp, attn, o_in, plans[keep is not None])
         a = linear_gpu(g, attn, w["self_attn.o_proj"], self._v("a", T, H), x_slots=o_in)
         e_in, e = self._v("e_in", T, H), self._v("e", T, H)
         r = self._v("r", T, H)                                   # the MoE router's input row
@@ -391,6 +438,39 @@ class GpuModel(DecodeGraphs, StepTools):
         return post_ffn_norms_gpu(g, m, e, h, w["post_feedforward_layernorm_1"], w["post_feedforward_layernorm_2"],
                                   w["post_feedforward_layernorm"], w["layer_scalar"], x, eps, w_next=nxt, xn=xn,
                                   xn_slots=qkv_in)
+
+    def _attention(self, i, geo, q, rows_seq, pos, tab, spans, out, out_slots, plan):
+        """Layer i's attention of an eager step by its plan's runs (layers.attention.attention_plan): split runs and
+        fused ones, the latter over bf16 copies of their blocks where the plan has them and this layer's tile is the
+        wgmma one (kv_widen_gpu into self.kv_wide, then the tile with the plan's tables). Returns whether out went
+        out in the slot order (out_slots: only when every run is fused)."""
+        g, t = self.g, self.cfg.text
+        runs, wtab, wsrc = plan
+        slots = out_slots and not any(r.split for r in runs)
+        got = set()
+        for r in runs:
+            pools, tables = (self.k_pool[i], self.v_pool[i]), tab
+            if r.wide is not None and geo.head_dim in ATTN_FUSED_WG:
+                k = int(bool(geo.sliding))
+                off, n = r.wide[k]
+                pools = self._wide_views(geo)
+                kv_widen_gpu(g, self.k_pool[i], self.v_pool[i], (gpu.ptr(wsrc[k].ptr + 4 * off), n), *pools)
+                tables = g.view(wtab, k * wtab.shape[1] * wtab.shape[2] * 4, wtab.shape[1:], np.int32)
+            got.add(attention_gpu(g, q, *pools, rows_seq, pos, tables, spans, t.window, geo.sliding, out,
+                                  work=self.ws["attn_work"], out_slots=slots, split=r.split, rows=(r.r0, r.r1)))
+        if len(got) > 1:
+            raise AssertionError(f"layer {i}: runs wrote out in different orders ({got})")
+        return got.pop() if got else False
+
+    def _wide_views(self, geo):
+        """self.kv_wide as bf16 pools of geo's block shape (made once a geometry)."""
+        key = ("kv_wide", geo.kv_heads, geo.head_dim)
+        v = self._views.get(key)
+        if v is None:
+            shape = (self.kv_wide[0].nbytes // (2 * BLOCK * geo.kv_heads * geo.head_dim), BLOCK, geo.kv_heads,
+                     geo.head_dim)
+            v = self._views[key] = [self.g.view(a, 0, shape, BF16) for a in self.kv_wide]
+        return v
 
     def _qkv(self, i):
         """Layer i's q / k (/ v) projections, in linear_multi_gpu's order (full k = v layers have no v_proj)."""
@@ -495,9 +575,11 @@ class GpuModel(DecodeGraphs, StepTools):
         ids = tuple(int(x) for x in np.random.default_rng(0).integers(3, self.cfg.text.vocab, T))
         seq = SeqStep(ids, 0, tuple(range(nb)), argmax=True)
         self.step([seq])
-        _, pos, rows_seq, tab, sp, keep, _, _ = self._step_inputs([seq], [T], [0, T], nb, 1,
-                                                                  self._keep_rows([seq], [0, T], [T]))
-        return self._profile(lambda: self._stack(T, pos, rows_seq, tab, sp, keep), reps)
+        keep = self._keep_rows([seq], [0, T], [T])
+        plans, extra = self._attn_plans([seq], [T], keep)
+        _, pos, rows_seq, tab, sp, keep, _, _, ext = self._step_inputs([seq], [T], [0, T], nb, 1, keep, extra=extra)
+        plans = self._plans_on_device(plans, ext)
+        return self._profile(lambda: self._stack(T, pos, rows_seq, tab, sp, keep, plans), reps)
 
     def _profile(self, body, reps):
         """[{"kernel", "us", "bytes", "flops"}] of the launches body() makes: captured into a graph with an event

@@ -6549,6 +6549,114 @@ def test_gpu_kv_writes_e4m3(g, geo):
     sc.close()
 
 
+@needs_gpu
+@pytest.mark.parametrize("geo", ["sliding", "full"])
+def test_gpu_kv_widen_e4m3(g, geo):
+    """kv_widen_gpu: block i of the bf16 copies is block src[i] of the e4m3 pools, every finite e4m3 code widened
+    exactly (against ml_dtypes' e4m3 -> float32 -> bf16); blocks repeat in src; a (ptr, n) slice of a longer src
+    list writes n copies and leaves the rest of the buffers as they were."""
+    D, Hkv = GEO[geo]["D"], GEO[geo]["Hkv"]
+    rng = np.random.default_rng(63)
+    NB = 37
+    codes = [rng.integers(0, 256, (NB, A.BLOCK, Hkv, D)).astype(np.uint8) for _ in range(2)]
+    for c in codes:
+        c[(c & 0x7F) == 0x7F] = 0x3C                                 # e4m3fn's NaN codes -> 1.5
+        every = np.arange(256).astype(np.uint8)                       # every code once, but the NaNs
+        every[(every & 0x7F) == 0x7F] = 0
+        c[0, 0, 0, :256] = every
+    k8, v8 = (c.view(ml_dtypes.float8_e4m3fn) for c in codes)
+    src = np.concatenate([rng.permutation(NB)[:20], [3, 3, 0]]).astype(np.int32)
+    dk, dv, ds = g.upload(k8), g.upload(v8), g.upload(np.concatenate([[5, 6], src, [7]]).astype(np.int32))
+    k16, v16 = g.empty((30, A.BLOCK, Hkv, D), BF), g.empty((30, A.BLOCK, Hkv, D), BF)
+    for a in (k16, v16):
+        g.fill(a, 0xFF)
+    A.kv_widen_gpu(g, dk, dv, (gpu.ptr(ds.ptr + 8), len(src)), k16, v16)
+    for pool8, out in ((k8, k16), (v8, v16)):
+        got = bits(g.download(out))
+        want = bits(pool8[src].astype(np.float32).astype(BF))
+        assert (got[:len(src)] == want).all(), f"{(got[:len(src)] != want).sum()} values differ"
+        assert (got[len(src):] == 0xFFFF).all(), "wrote past its n blocks"
+    with pytest.raises(ValueError, match="e4m3 pools"):
+        A.kv_widen_gpu(g, k16, v16, ds, k16, v16)
+    for a in (dk, dv, ds, k16, v16):
+        g.free(a)
+
+
+def _plan_stand_in(g, geo, pools, work, wide_cap):
+    """A GpuModel with what _attention reads, no weights: one layer's pools, the split scratch, and bf16 copies of
+    wide_cap blocks (0: none)."""
+    import model_gpu
+    D, Hkv, W = geo["D"], geo["Hkv"], geo["W"]
+    m = object.__new__(model_gpu.GpuModel)
+    m.g, m.cfg, m._views = g, types.SimpleNamespace(text=types.SimpleNamespace(window=W)), {}
+    m.k_pool, m.v_pool, m.ws = [pools[0]], [pools[1]], {"attn_work": work}
+    m.wide_cap = wide_cap
+    m.kv_wide = [g.empty((wide_cap * 2 * A.BLOCK * Hkv * D,), np.uint8) for _ in range(2)] if wide_cap else None
+    return m
+
+
+@needs_gpu
+@pytest.mark.parametrize("geo", GEOS)
+@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
+def test_gpu_attention_plan_runs(g, geo, kv):
+    """GpuModel._attention over an eager step's plan (layers.attention.attention_plan: decode rows of a prompt step on
+    the split path, the prompt chunks on the fused one, over e4m3 pools on sm_90 at D 256 / 512 the wgmma tile over
+    kv_widen_gpu's bf16 copies, in groups when the copies would not hold the run) writes every byte that one
+    attention_gpu launch over the whole step writes, on fresh random q / K / V: 3 decode rows, a 300-row chunk at the
+    end of a context longer than the window (image blocks on sliding layers) and a 70-row chunk of a shorter one
+    (one fused run); copies for the whole run at once and for one sequence at a time. The outputs are near the
+    float64 reference."""
+    G_ = GEO[geo]
+    D, Hkv, sliding, L, Hq, W = (G_[k] for k in ("D", "Hkv", "sliding", "ctx", "Hq", "W"))
+    rng = np.random.default_rng(64)
+    lens = [700, L, 130, 41, 900, 5]
+    sc = Scene(g, rng, lens, Hkv, D)
+    free = []
+    if kv == "e4m3":
+        sc8, _ = _scene8(g, sc)
+        pools = (sc8.dk, sc8.dv)
+        free += [sc8.dk, sc8.dv]
+    else:
+        pools = (sc.dk, sc.dv)
+    n_rows = [1, 300, 70, 1, 0, 1]
+    starts = [n_l - n for n_l, n in zip(lens, n_rows)]
+    rs = np.repeat(np.arange(len(lens)), n_rows).astype(np.int32)
+    rp = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, n_rows)]).astype(np.int32)
+    spans = {1: [(L - 250, 70), (L - 120, 64)]} if sliding else {}
+    T = len(rs)
+    q = rand_q(rng, T, D, Hq)
+    tables = [sc.tables[j, :-(-n // A.BLOCK)].tolist() for j, n in enumerate(lens)]
+    d = {n: g.upload(a) for n, a in (("q", q), ("rs", rs), ("rp", rp))}
+    sp = spans_array(spans, len(lens))
+    d["sp"] = g.upload(sp) if sp is not None else None
+    work = g.empty((8 * A.split_row_floats(Hq, 4096, D) + 4,), np.float32)
+    want_out = g.empty((T, Hq * D), BF)
+    g.fill(want_out, 0xFF)
+    A.attention_gpu(g, d["q"], *pools, d["rs"], d["rp"], sc.dt, d["sp"], W, sliding, want_out)
+    want = g.download(want_out)
+    geo_ns = types.SimpleNamespace(head_dim=D, kv_heads=Hkv, sliding=sliding)
+    wide_ok = kv == "e4m3" and D in A.ATTN_FUSED_WG and g.capability == (9, 0)
+    for cap in ([0] if not wide_ok else [2 * max(len(t) for t in tables) + 40, max(len(t) for t in tables)]):
+        runs, tab, src = A.attention_plan(n_rows, starts, tables, W, cap)
+        grouped = 0 < cap < sum(len(tables[j]) for j in (1, 2))
+        assert [r.split for r in runs] == [True, False] + [False] * grouped + [True], (cap, runs)
+        m = _plan_stand_in(g, G_, pools, work, cap)
+        up = [g.upload(a) for a in ([tab] + src if cap else [])]
+        plan = (runs, up[0], up[1:]) if cap else (runs, None, None)
+        out = g.empty((T, Hq * D), BF)
+        g.fill(out, 0xFF)
+        assert m._attention(0, geo_ns, d["q"], d["rs"], d["rp"], sc.dt, d["sp"], out, True, plan) is False
+        got = g.download(out)
+        assert (bits(got) == bits(want)).all(), f"{geo} {kv} cap {cap}: {(bits(got) != bits(want)).sum()} differ"
+        for a in up + (m.kv_wide or []):
+            g.free(a)
+    report(f"attn plan {geo} {kv}", got, reference(sc, q, rs.astype(np.int64), rp, spans, W, sliding))
+    for a in list(d.values()) + [work, want_out, out] + free:
+        if a is not None:
+            g.free(a)
+    sc.close()
+
+
 @pytest.fixture(scope="module")
 def demo_pair8():
     return (model_mod.load(span02.DEMO_DIR, device="cpu", kv_dtype="fp8"),
@@ -6681,6 +6789,58 @@ def test_attention_wg_launch_plan():
         assert plan(2048, D=512, Hkv=2)[0][0][0] == "attention.attn_fused_bf16_d512"
     finally:
         A.ATTN_FUSED_WG = saved
+
+
+def test_attention_plan_runs_and_copies():
+    """layers.attention.attention_plan (no device), on random steps: the runs cover the rows in order, one sequence's
+    rows in one run, split exactly where a sequence has <= ATTN_SPLIT_SEQ_ROWS rows, adjacent runs of one path only
+    where the bf16 copies would overflow; each fused run's copies list, per table, its sequences' blocks (full: all,
+    sliding: from the block of position start - window + 1) numbered from 0 in the run, within wide_cap. A step of
+    <= 64 rows is one split run; kept rows (one a sequence) one split run; a sequence longer than the copies raises."""
+    rng = np.random.default_rng(65)
+    W = 64
+    for trial in range(200):
+        S = int(rng.integers(1, 12))
+        n_rows = [int(rng.choice([0, 1, 1, 2, int(rng.integers(3, 200))])) for _ in range(S)]
+        ctx = [int(rng.integers(0, 400)) for _ in range(S)]
+        starts = [c for c in ctx]
+        tables = [list(rng.permutation(1000)[:-(-(c + n) // A.BLOCK) + int(rng.integers(0, 3))]) for c, n in
+                  zip(ctx, n_rows)]
+        cap = int(rng.choice([0, 40, 1000]))
+        cap = max(cap, max(len(t) for t in tables)) if cap else 0
+        runs, tab, src = A.attention_plan(n_rows, starts, tables, W, cap)
+        T = sum(n_rows)
+        if T <= A.ATTN_SPLIT_ROWS:
+            assert runs == [A.AttnRun(0, T, True)] and tab is None
+            continue
+        seq_of = np.repeat(np.arange(S), n_rows)
+        assert runs[0].r0 == 0 and runs[-1].r1 == T and all(a.r1 == b.r0 for a, b in zip(runs, runs[1:]))
+        assert all(r.r1 > r.r0 for r in runs)
+        for r in runs:
+            js = sorted(set(seq_of[r.r0:r.r1].tolist()))
+            assert r.r0 == 0 or seq_of[r.r0 - 1] != seq_of[r.r0], "a sequence cut between runs"
+            assert all((n_rows[j] <= A.ATTN_SPLIT_SEQ_ROWS) == r.split for j in js)
+            assert (r.wide is not None) == (not r.split and cap > 0)
+            if r.wide is None:
+                continue
+            for t in (0, 1):
+                off, cnt = r.wide[t]
+                got = []
+                for j in js:
+                    first = 0 if t == 0 else max(0, starts[j] - W + 1) // A.BLOCK
+                    got += [int(src[t][off + tab[t, j, b]]) == int(tables[j][b]) for b in range(first, len(tables[j]))]
+                    assert sorted(tab[t, j, first:len(tables[j])]) == list(tab[t, j, first:len(tables[j])])
+                assert all(got) and len(got) == cnt <= cap
+        for a, b in zip(runs, runs[1:]):                   # same path side by side: the copies were full
+            if a.split == b.split:
+                assert not a.split and cap and a.wide[0][1] + len(tables[seq_of[b.r0]]) > cap
+        if cap:
+            assert len(src[0]) == sum(r.wide[0][1] for r in runs if r.wide)
+    kept = [1] * 70 + [0] * 5
+    runs, tab, _ = A.attention_plan(kept, [100] * 75, [[1] * 7] * 75, W, 10)
+    assert runs == [A.AttnRun(0, 70, True)] and tab.shape == (2, 75, 7)
+    with pytest.raises(ValueError, match="blocks: the bf16 copies hold 5"):
+        A.attention_plan([100], [0], [list(range(7))], W, 5)
 
 
 def test_attention_split_plan():
@@ -8604,9 +8764,9 @@ class _StagingLog:
 
 def test_step_inputs_one_upload_of_every_int32_input():
     """An eager step's ids, positions, row -> sequence map, block tables, image spans, kept rows and the head's rows
-    and readout keys packed into the pinned array and uploaded in one copy after waiting on the last one; each
-    device view reads back its array (tables and spans zero-padded, also over a longer earlier step's leftovers in
-    the reused array)."""
+    and readout keys, and the attention plans' extra arrays, packed into the pinned array and uploaded in one copy
+    after waiting on the last one; each device view reads back its array (tables and spans zero-padded, also over a
+    longer earlier step's leftovers in the reused array)."""
     import model_gpu
     from model import ImageRows
     rng = np.random.default_rng(8)
@@ -8627,7 +8787,12 @@ def test_step_inputs_one_upload_of_every_int32_input():
         keep = m._keep_rows(seqs, offsets, lens)
         head_rows = [int(x) for x in rng.permutation(20)[:len(seqs)]]
         head_keys = sorted(int(x) for x in rng.choice(np.arange(3, 999), int(rng.integers(0, 6)), replace=False))
-        views = m._step_inputs(seqs, lens, offsets, mb, n_spans, keep, head_rows, head_keys)
+        extra = [rng.integers(-5, 99, sh).astype(np.int32) for sh in ([(2, len(seqs), mb), (7,), (3,)]
+                                                                        if want_keep is not None else [])]
+        *views, ext = m._step_inputs(seqs, lens, offsets, mb, n_spans, keep, head_rows, head_keys, extra)
+        assert len(ext) == len(extra)
+        for v, a in zip(ext, extra):
+            np.testing.assert_array_equal(m.g.calls[1][1][v.ptr // 4:v.ptr // 4 + a.size].reshape(v.shape), a)
         assert [c[0] for c in m.g.calls] == ["wait", "upload", "record"] and m.g.calls[0][1] == "ev"
         sent = m.g.calls[1][1]
         read = [None if v is None else sent[v.ptr // 4:v.ptr // 4 + math.prod(v.shape)].reshape(v.shape)
@@ -8649,7 +8814,7 @@ def test_step_inputs_one_upload_of_every_int32_input():
             np.testing.assert_array_equal(read[5], np.asarray(want_keep, np.int32))
         assert read[6].tolist() == head_rows and read[7].tolist() == head_keys
         assert len(sent) == sum(a.size for a in want) + (0 if want_keep is None else 3 * len(want_keep[0])) + len(
-            head_rows) + len(head_keys)
+            head_rows) + len(head_keys) + sum(a.size for a in extra)
 
 
 def test_close_drops_the_pinned_arrays_first():

@@ -347,6 +347,24 @@ extern "C" __global__ void kv_write_bf16(KV_WRITE_ARGS) { kv_write<2>(k, v, k_po
 extern "C" __global__ void kv_write_e4m3(KV_WRITE_ARGS) { kv_write<1>(k, v, k_pool, v_pool, rows_seq, rows_pos,
                                                                       block_tables, max_blocks, HD); }
 
+// kv_widen_e4m3: bf16 copies of blocks of e4m3 pools, for the wgmma prompt tile (attention_sm90a.cu), which reads
+// bf16 pools only (layers/attention.py kv_widen_gpu): block i of k16 / v16 = block src[i] of k_pool / v_pool, each
+// value widened exactly (e4m3x2_bf16x2), so the tile over the copies gives the bytes of the `_e4m3` tiles over the
+// pools. grid (n, 2): y = 0 K, 1 V; block 256; bpb: bytes of an e4m3 block (16 Hkv D), a multiple of 16.
+extern "C" __global__ void __launch_bounds__(256) kv_widen_e4m3(
+    const uint8_t* __restrict__ k_pool, const uint8_t* __restrict__ v_pool, const int* __restrict__ src,
+    __nv_bfloat16* __restrict__ k16, __nv_bfloat16* __restrict__ v16, int bpb) {
+    const uint4* in = reinterpret_cast<const uint4*>((blockIdx.y ? v_pool : k_pool) + (size_t)src[blockIdx.x] * bpb);
+    uint4* out = reinterpret_cast<uint4*>((blockIdx.y ? v16 : k16) + (size_t)blockIdx.x * bpb);
+    for (int i = threadIdx.x; i < bpb / 16; i += blockDim.x) {
+        const uint4 w = in[i];
+        out[2 * i] = make_uint4(e4m3x2_bf16x2(w.x), e4m3x2_bf16x2(w.x >> 16), e4m3x2_bf16x2(w.y),
+                                e4m3x2_bf16x2(w.y >> 16));
+        out[2 * i + 1] = make_uint4(e4m3x2_bf16x2(w.z), e4m3x2_bf16x2(w.z >> 16), e4m3x2_bf16x2(w.w),
+                                    e4m3x2_bf16x2(w.w >> 16));
+    }
+}
+
 // attn_split_bf16_d{D}: grid (nrows, Hkv, Z), block D/2, dynamic smem attention_smem(D, 1); out unused.
 // attn_fused_bf16_d{D}: grid (ceil(nrows / (16 FMT / G)), Hkv, 1), block FMT D / 2, dynamic smem
 //                       attention_smem(D, FMT); part_ml / part_acc unused.

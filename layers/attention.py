@@ -4,6 +4,8 @@ GQA, the exact sliding-window mask and, on sliding layers, bidirectional attenti
 KV layout (the GPU uses the same): per layer K and V pools of shape (blocks, 16, Hkv, D); position p of a
 sequence lives in block `table[p // 16]`, slot `p % 16`.
 """
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 
@@ -259,6 +261,91 @@ def kv_write_gpu(g, k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables):
              args=[k, v, k_pool, v_pool, rows_seq, rows_pos, block_tables, block_tables.shape[1], Hkv * D])
 
 
+def kv_widen_gpu(g, k_pool, v_pool, src, k16, v16):
+    """k16[i], v16[i] = the e4m3 pools' blocks src[i] (i < len(src)) as bf16, exactly (kernel kv_widen_e4m3): copies
+    that the wgmma prompt tile, which reads bf16 pools only, attends as it would the pools (attention_plan). src (n,)
+    int32 (a DeviceArray, or a (gpu.ptr, n) pair for a slice of a wider buffer); k16 / v16 bf16 of at least n blocks
+    of the pools' shape."""
+    NB, _, Hkv, D = k_pool.shape
+    if _pool_kind(k_pool, v_pool, (NB, BLOCK, Hkv, D)) != "e4m3":
+        raise ValueError("kv_widen_gpu: e4m3 pools")
+    src, n = (src[0], int(src[1])) if isinstance(src, tuple) else (src, src.size)
+    if not isinstance(src, tuple) and getattr(src, "dtype", np.int32) != np.int32:
+        raise ValueError(f"src: int32, got {src.dtype}")
+    for name, a in (("k16", k16), ("v16", v16)):
+        if a.dtype != _BF16 or tuple(a.shape[1:]) != (BLOCK, Hkv, D) or a.shape[0] < n:
+            raise ValueError(f"{name}: bf16 of at least {n} blocks ({BLOCK}, {Hkv}, {D}), got {a.shape} {a.dtype}")
+    if (BLOCK * Hkv * D) % 16:
+        raise ValueError("16 * Hkv * D must be a multiple of 16")
+    if n == 0:
+        return
+    bpb = BLOCK * Hkv * D
+    g.launch(g.module("attention").function("kv_widen_e4m3"), grid=(n, 2, 1), block=(256, 1, 1),
+             args=[k_pool, v_pool, src, k16, v16, bpb], nbytes=6 * n * bpb)
+
+
+# An eager step's attention (attention_plan): a sequence with at most ATTN_SPLIT_SEQ_ROWS rows in the step (a decode
+# row of a step that also holds prompt chunks) takes the split path, the others the fused tiles, each path over runs
+# of consecutive sequences. (The fused tile spends a whole tile's arithmetic a chunk on such a row, and over e4m3 pools
+# it is the mma.sync tile, ~1.9x the wgmma one; the split path reads each of the row's chunks once.)
+ATTN_SPLIT_SEQ_ROWS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnRun:
+    """Rows r0 .. r1 - 1 of a step (sequences j0 .. j1 - 1), attended in one call: split or fused. A fused run over
+    e4m3 pools whose wgmma tile reads bf16 copies has `wide`: per table (0 full layers, 1 sliding), (offset, count)
+    of its blocks in the plan's src lists; its sequences' rows of those tables number the copies from 0."""
+    r0: int
+    r1: int
+    split: bool
+    wide: tuple | None = None
+
+
+def attention_plan(n_rows, starts, tables, window, wide_cap=0):
+    """The attention calls of an eager step: returns (runs, tab, src). Sequence j has n_rows[j] rows (after those of
+    j - 1; 0: none), the first at position starts[j], and the KV blocks tables[j]. A step of <= ATTN_SPLIT_ROWS rows
+    is one split run; else runs of consecutive sequences, split where a sequence has <= ATTN_SPLIT_SEQ_ROWS rows, fused
+    elsewhere. wide_cap > 0 (e4m3 pools, the wgmma tile): each fused run (cut where its sequences' blocks would exceed
+    wide_cap) gets bf16 copies of its sequences' blocks (kv_widen_gpu): for full layers every block of the table, for
+    sliding ones from the block of position starts[j] - window + 1 (no row of the step sees a key before it). tab
+    (2, S, max len) int32 then maps (table, sequence, block) to its copy (0 where none: never read), src[t] (n,) int32
+    lists the pool block of each copy; without wide_cap tab and src are None."""
+    T, S = int(sum(n_rows)), len(n_rows)
+    if T <= ATTN_SPLIT_ROWS:
+        return [AttnRun(0, T, True)], None, None
+    runs, r = [], 0
+    tab = np.zeros((2, S, max(1, max(len(b) for b in tables))), np.int32) if wide_cap else None
+    src, used = [[], []], [0, 0]
+    for j, n in enumerate(n_rows):
+        if n == 0:
+            continue
+        split = n <= ATTN_SPLIT_SEQ_ROWS
+        blocks = np.asarray(tables[j], np.int32)
+        first = (0, max(0, int(starts[j]) - int(window) + 1) // BLOCK)
+        if wide_cap and not split and len(blocks) > wide_cap:
+            raise ValueError(f"a sequence of {len(blocks)} blocks: the bf16 copies hold {wide_cap}")
+        grow = runs and runs[-1].split == split and (split or not wide_cap or used[0] + len(blocks) <= wide_cap)
+        if not grow:
+            if not split and wide_cap:
+                used = [0, 0]
+            runs.append(AttnRun(r, r, split, None if split or not wide_cap else ((len(src[0]), 0), (len(src[1]), 0))))
+        last = runs[-1]
+        wide = last.wide
+        if wide is not None:
+            for t in (0, 1):
+                k = blocks[first[t]:]
+                tab[t, j, first[t]:len(blocks)] = used[t] + np.arange(len(k), dtype=np.int32)
+                src[t].extend(k.tolist())
+                used[t] += len(k)
+            wide = tuple((off, cnt + len(blocks) - first[t]) for t, (off, cnt) in enumerate(wide))
+        runs[-1] = dataclasses.replace(last, r1=r + n, wide=wide)
+        r += n
+    if not wide_cap:
+        return runs, None, None
+    return runs, tab, [np.asarray(x, np.int32) for x in src]
+
+
 def attention_slots(max_keys):
     """Chunk partials a row can need when its key range [lo, hi] holds at most max_keys keys."""
     return (max_keys + ATTN_CHUNK - 1) // ATTN_CHUNK + 1
@@ -294,7 +381,7 @@ def attention_smem(D, MT, wg=False, G=None):
 
 
 def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans, window, sliding, out,
-                  max_keys=None, work=None, out_slots=False, split=None):
+                  max_keys=None, work=None, out_slots=False, split=None, rows=None):
     """out (T, Hq*D) bf16 = softmax(q . K^T) V per row over the paged pools, scaling 1.0, fp32 softmax with
     p rounded to bf16 for the P.V tensor-core product (attention.cu header).
     q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16 or e4m3 (KV_DTYPES "fp8": the `_e4m3`
@@ -321,7 +408,9 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     `_ss` X, no copy); returns whether out went out that way (not from the split path, whose combine writes it
     plainly, nor from the mma.sync tile, which is at its register cap).
     split: None picks by T as above; True takes the split path at any T (rows of one position each: the decode
-    graphs' buckets above ATTN_SPLIT_ROWS, where a fused tile would walk one sequence a pass), False the fused one."""
+    graphs' buckets above ATTN_SPLIT_ROWS, where a fused tile would walk one sequence a pass), False the fused one.
+    rows: (r0, r1): attend rows r0 .. r1 - 1 only (a run of attention_plan; the rest of out is left as it is); None:
+    all T."""
     T, Hq, D = q.shape
     NB, _, Hkv, _ = k_pool.shape
     S, MB = block_tables.shape
@@ -344,7 +433,10 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         max_keys = min(MB * BLOCK, window) if (sliding and use_spans is None) else MB * BLOCK
     slots = attention_slots(int(max_keys))
     per_row = split_row_floats(Hq, int(max_keys), D)    # float32 scratch per row (split path)
-    if T == 0:
+    r0, r1 = (0, T) if rows is None else (int(rows[0]), int(rows[1]))
+    if not 0 <= r0 <= r1 <= T:
+        raise ValueError(f"rows [{r0}, {r1}) outside the {T} rows")
+    if r0 == r1:
         return False
     G = Hq // Hkv
     mod = g.module("attention")
@@ -359,24 +451,24 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
             mt = ATTN_FUSED_MT[D]
             rp, nz, block = 16 * mt // G, 1, mt * D // 2   # positions per fused tile (mt m16 tiles of rows)
             f = mod.function(f"attn_fused_{kind}_d{D}")
-        g.launch(f, grid=((T + rp - 1) // rp, Hkv, nz), block=(block, 1, 1),
-                 args=common + [0, T, Hq, Hkv, slots, None, None, out],
+        g.launch(f, grid=((r1 - r0 + rp - 1) // rp, Hkv, nz), block=(block, 1, 1),
+                 args=common + [r0, r1 - r0, Hq, Hkv, slots, None, None, out],
                  shared=attention_smem(D, ATTN_FUSED_MT[D], wg))
         return wg and bool(out_slots)
     own = work is None
     if own:
-        work = g.empty((max(1, min(T, ATTN_WORK_BYTES // (4 * per_row))) * per_row + 4,), np.float32)
+        work = g.empty((max(1, min(r1 - r0, ATTN_WORK_BYTES // (4 * per_row))) * per_row + 4,), np.float32)
     if work.dtype != np.float32 or work.size < per_row + 4:
         raise ValueError(f"work: float32 of at least {per_row} + 4 elements (attention_work)")
-    group = min(T, (work.size - 4) // per_row)
+    group = min(r1 - r0, (work.size - 4) // per_row)
     fs = mod.function(f"attn_split_{kind}_d{D}")
     fc = mod.function("attn_combine_bf16")
     import gpu
     ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
     acc = gpu.ptr(work.ptr + 16 * ((group * Hq * slots * 2 + 3) // 4))  # (group, Hq, slots, D), 16 B aligned
     try:
-        for row0 in range(0, T, group):
-            n = min(group, T - row0)
+        for row0 in range(r0, r1, group):
+            n = min(group, r1 - row0)
             g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots, D, G)), block=(D // 2, 1, 1),
                      args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1, G=G))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
