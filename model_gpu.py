@@ -20,6 +20,11 @@ next steps attend to it), then the rows whose last-layer output nothing reads ar
 readout or argmax sequence keeps its last row, a `logits` one all its rows, any other (a prompt chunk the head
 does not read) none. The kept rows go through the same kernels with the same inputs, so their bytes are those of
 the whole step; a 2,048-token prompt skips ~1/30 of its step.
+
+An eager step's attention runs by its plan (layers.attention.attention_plan, _attention): the decode rows of a step
+that also holds prompt chunks take the split path (the decode graphs' kernels), the chunks the fused tile; with e4m3
+pools on sm_90 the fused runs first copy their sequences' blocks to bf16 (kv_widen_gpu, into self.kv_wide) so that
+the wgmma tile, which reads bf16 only, attends them. Each path gives a row the same bytes (attention.cu's header).
 """
 from __future__ import annotations
 

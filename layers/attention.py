@@ -386,7 +386,8 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     p rounded to bf16 for the P.V tensor-core product (attention.cu header).
     q (T, Hq, D) bf16 (normed, roped); pools (blocks, 16, Hkv, D) bf16 or e4m3 (KV_DTYPES "fp8": the `_e4m3`
     kernels, which widen the values to bf16 exactly and give the bytes bf16 pools of the same values give; their
-    prompt tiles are the mma.sync ones, not wgmma), D in {64, 128, 256, 512}; rows_seq, rows_pos
+    prompt tile is the mma.sync one: the model's prompt steps give the wgmma tile bf16 copies instead, attention_plan),
+    D in {64, 128, 256, 512}; rows_seq, rows_pos
     (T,) int32: the row's sequence (index into block_tables / spans) and position; block_tables int32
     (S, max_blocks); spans None or int32 (S, n_spans, 2) of (start, n) image blocks (n = 0: unused), used on
     sliding layers only. Row (seq, p) sees keys [lo, hi]: lo = max(0, p - window + 1) if sliding else 0, hi = p,
