@@ -6843,6 +6843,61 @@ def test_attention_plan_runs_and_copies():
         A.attention_plan([100], [0], [list(range(7))], W, 5)
 
 
+def test_attention_by_plan_launches():
+    """GpuModel._attention (no device: a launch log): an eager step's runs in order; a one-row sequence on the split
+    kernels and the combine; a prompt chunk's run with fp8 pools on sm_90 as kv_widen_e4m3 over the run's blocks
+    (grid (blocks, 2)) and the wgmma tile over the copies with the plan's table of the layer's kind (sliding: the
+    second), its rows as row0 / nrows; with bf16 pools the tile over the pools, no copy; on another GPU (no copies
+    in the plan) the mma.sync e4m3 tile. Out goes out in the slot order only when every run is fused."""
+    import model_gpu
+    E4 = np.dtype(ml_dtypes.float8_e4m3fn)
+    arr = lambda shape, dt, ptr=1 << 20: types.SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dt), ptr=ptr,
+                                                               size=math.prod(shape),
+                                                               nbytes=math.prod(shape) * np.dtype(dt).itemsize)
+    D, Hkv, Hq, W = 256, 8, 16, 1024
+    n_rows, starts = [1, 300, 70, 1], [700, 1200, 60, 41]
+    tables = [list(range(j * 100, j * 100 + -(-(s + n) // 16))) for j, (s, n) in enumerate(zip(starts, n_rows))]
+    T, S, mb = sum(n_rows), 4, max(len(t) for t in tables)
+    geo = types.SimpleNamespace(head_dim=D, kv_heads=Hkv, sliding=True)
+    for kv, cap, capability in (("e4m3", 1000, (9, 0)), ("bf16", 0, (9, 0)), ("e4m3", 0, (8, 9))):
+        lg = _LaunchLog(capability)
+        m = object.__new__(model_gpu.GpuModel)
+        m.g, m.cfg, m._views = lg, types.SimpleNamespace(text=types.SimpleNamespace(window=W)), {}
+        dt = BF if kv == "bf16" else E4
+        m.k_pool, m.v_pool = [arr((500, 16, Hkv, D), dt, 1 << 30)], [arr((500, 16, Hkv, D), dt, 2 << 30)]
+        m.ws = {"attn_work": arr((1 << 24,), np.float32)}
+        m.kv_wide = [arr((cap * 2 * 16 * Hkv * D,), np.uint8, p) for p in (3 << 30, 4 << 30)] if cap else None
+        runs, tab, src = A.attention_plan(n_rows, starts, tables, W, cap)
+        plan = (runs, arr(tab.shape, np.int32, 5 << 30), [arr(s.shape, np.int32, p) for s, p in
+                                                           zip(src, (6 << 30, 7 << 30))]) if cap else (runs, None, None)
+        q, rs, out = arr((T, Hq, D), BF), arr((T,), np.int32), arr((T, Hq * D), BF)
+        dtab = arr((S, mb), np.int32, 8 << 30)
+        assert m._attention(0, geo, q, rs, rs, dtab, None, out, True, plan) is False
+        names = [f.split(".")[-1] for f, *_ in lg.launches]
+        fused = ["attn_fused_wg_bf16_d256"] if capability == (9, 0) else [f"attn_fused_{kv}_d256"]
+        split = [f"attn_split_{kv}_d256", "attn_combine_bf16"]
+        assert names == split + (["kv_widen_e4m3"] if cap else []) + fused + split, names
+        f = names.index(fused[0])
+        assert lg.launches[f][1][:2] == (-(-370 // (64 // 2 if capability == (9, 0) else 32)), Hkv)
+        fa = lg.args[f]
+        assert fa[11:13] == [1, 370], fa[11:13]                         # row0, nrows: the chunks' rows
+        if cap:
+            w = lg.args[f - 1]
+            n_sl = sum(len(tables[j]) - max(0, starts[j] - W + 1) // 16 for j in (1, 2))
+            assert lg.launches[f - 1][1] == (n_sl, 2, 1) and w[2] == 7 << 30 and w[5] == 16 * Hkv * D
+            assert (w[0].ptr, w[1].ptr) == (1 << 30, 2 << 30) and (w[3].ptr, w[4].ptr) == (3 << 30, 4 << 30)
+            assert (fa[1].ptr, fa[2].ptr, fa[5].ptr) == (3 << 30, 4 << 30, (5 << 30) + S * mb * 4)
+        else:
+            assert (fa[1].ptr, fa[2].ptr, fa[5].ptr) == (1 << 30, 2 << 30, 8 << 30)
+        assert [lg.args[i][11:13] for i in (0, len(names) - 2)] == [[0, 1], [371, 1]]
+    lg = _LaunchLog()                                                    # every run fused: the slot order
+    m.g, m.k_pool, m.v_pool = lg, [arr((500, 16, Hkv, D), BF, 1 << 30)], [arr((500, 16, Hkv, D), BF, 2 << 30)]
+    runs, _, _ = A.attention_plan([300, 70], [0, 0], [list(range(19)), list(range(5))], W, 0)
+    assert m._attention(0, geo, arr((370, Hq, D), BF), arr((370,), np.int32), arr((370,), np.int32),
+                        arr((2, 19), np.int32), None, arr((370, Hq * D), BF), True, (runs, None, None)) is True
+    assert [f for f, *_ in lg.launches] == ["attention_sm90a.attn_fused_wg_bf16_d256_slots"]
+
+
 def test_attention_split_plan():
     """The decode launches (no device): attn_split grid (rows, Hkv, split_z), block D / 2, shared memory for the
     position's G query rows and one zero row (attention_tile.cuh QR; 16 rows at most), so that 3 CTAs share an

@@ -269,17 +269,17 @@ def kv_widen_gpu(g, k_pool, v_pool, src, k16, v16):
     NB, _, Hkv, D = k_pool.shape
     if _pool_kind(k_pool, v_pool, (NB, BLOCK, Hkv, D)) != "e4m3":
         raise ValueError("kv_widen_gpu: e4m3 pools")
-    src, n = (src[0], int(src[1])) if isinstance(src, tuple) else (src, src.size)
-    if not isinstance(src, tuple) and getattr(src, "dtype", np.int32) != np.int32:
-        raise ValueError(f"src: int32, got {src.dtype}")
+    if isinstance(src, tuple):
+        src, n = src[0], int(src[1])
+    else:
+        n = src.size
+        _need(src, (n,), np.int32, "src")
     for name, a in (("k16", k16), ("v16", v16)):
         if a.dtype != _BF16 or tuple(a.shape[1:]) != (BLOCK, Hkv, D) or a.shape[0] < n:
             raise ValueError(f"{name}: bf16 of at least {n} blocks ({BLOCK}, {Hkv}, {D}), got {a.shape} {a.dtype}")
-    if (BLOCK * Hkv * D) % 16:
-        raise ValueError("16 * Hkv * D must be a multiple of 16")
     if n == 0:
         return
-    bpb = BLOCK * Hkv * D
+    bpb = BLOCK * Hkv * D                               # bytes of an e4m3 block: 16 | bpb (the kernel's 16-byte steps)
     g.launch(g.module("attention").function("kv_widen_e4m3"), grid=(n, 2, 1), block=(256, 1, 1),
              args=[k_pool, v_pool, src, k16, v16, bpb], nbytes=6 * n * bpb)
 
@@ -293,9 +293,9 @@ ATTN_SPLIT_SEQ_ROWS = 1
 
 @dataclasses.dataclass(frozen=True)
 class AttnRun:
-    """Rows r0 .. r1 - 1 of a step (sequences j0 .. j1 - 1), attended in one call: split or fused. A fused run over
-    e4m3 pools whose wgmma tile reads bf16 copies has `wide`: per table (0 full layers, 1 sliding), (offset, count)
-    of its blocks in the plan's src lists; its sequences' rows of those tables number the copies from 0."""
+    """Rows r0 .. r1 - 1 of a step (whole sequences), attended in one call: split or fused. A fused run over e4m3
+    pools whose wgmma tile reads bf16 copies has `wide`: per table (0 full layers, 1 sliding), (offset, count) of its
+    blocks in the plan's src lists; its sequences' rows of the plan's tab number the copies from 0."""
     r0: int
     r1: int
     split: bool
