@@ -314,35 +314,39 @@ def attention_plan(n_rows, starts, tables, window, wide_cap=0):
     T, S = int(sum(n_rows)), len(n_rows)
     if T <= ATTN_SPLIT_ROWS:
         return [AttnRun(0, T, True)], None, None
-    runs, r = [], 0
-    tab = np.zeros((2, S, max(1, max(len(b) for b in tables))), np.int32) if wide_cap else None
-    src, used = [[], []], [0, 0]
+    groups, r, held = [], 0, 0                  # [r0, r1, split, fused sequences (with copies)]; blocks they hold
     for j, n in enumerate(n_rows):
         if n == 0:
             continue
-        split = n <= ATTN_SPLIT_SEQ_ROWS
-        blocks = np.asarray(tables[j], np.int32)
-        first = (0, max(0, int(starts[j]) - int(window) + 1) // BLOCK)
-        if wide_cap and not split and len(blocks) > wide_cap:
-            raise ValueError(f"a sequence of {len(blocks)} blocks: the bf16 copies hold {wide_cap}")
-        grow = runs and runs[-1].split == split and (split or not wide_cap or used[0] + len(blocks) <= wide_cap)
-        if not grow:
-            if not split and wide_cap:
-                used = [0, 0]
-            runs.append(AttnRun(r, r, split, None if split or not wide_cap else ((len(src[0]), 0), (len(src[1]), 0))))
-        last = runs[-1]
-        wide = last.wide
-        if wide is not None:
-            for t in (0, 1):
-                k = blocks[first[t]:]
-                tab[t, j, first[t]:len(blocks)] = used[t] + np.arange(len(k), dtype=np.int32)
-                src[t].extend(k.tolist())
-                used[t] += len(k)
-            wide = tuple((off, cnt + len(blocks) - first[t]) for t, (off, cnt) in enumerate(wide))
-        runs[-1] = dataclasses.replace(last, r1=r + n, wide=wide)
+        split, nb = n <= ATTN_SPLIT_SEQ_ROWS, len(tables[j])
+        if wide_cap and not split and nb > wide_cap:
+            raise ValueError(f"a sequence of {nb} blocks: the bf16 copies hold {wide_cap}")
+        if not groups or groups[-1][2] != split or (wide_cap and not split and held + nb > wide_cap):
+            groups.append([r, r, split, []])
+            held = 0
         r += n
+        groups[-1][1] = r
+        if wide_cap and not split:
+            groups[-1][3].append(j)
+            held += nb
     if not wide_cap:
-        return runs, None, None
+        return [AttnRun(r0, r1, split) for r0, r1, split, _ in groups], None, None
+    tab = np.zeros((2, S, max(1, max(len(b) for b in tables))), np.int32)
+    src, runs = [[], []], []
+    for r0, r1, split, seqs in groups:
+        wide = None
+        if not split:
+            wide = []
+            for t in (0, 1):
+                off = len(src[t])
+                for j in seqs:
+                    first = 0 if t == 0 else max(0, int(starts[j]) - int(window) + 1) // BLOCK
+                    nb = len(tables[j])
+                    tab[t, j, first:nb] = np.arange(len(src[t]) - off, len(src[t]) - off + nb - first)
+                    src[t].extend(tables[j][first:])
+                wide.append((off, len(src[t]) - off))
+            wide = tuple(wide)
+        runs.append(AttnRun(r0, r1, split, wide))
     return runs, tab, [np.asarray(x, np.int32) for x in src]
 
 
