@@ -342,23 +342,26 @@ class GpuModel(DecodeGraphs, StepTools):
     def _attn_plans(self, seqs, lens, keep):
         """An eager step's attention plans (layers.attention.attention_plan) for all its rows and for the last
         layer's kept rows (None without keep), as (runs, tab, src) on the host, and the int32 arrays that go up
-        with the step's inputs (tab and src of each plan with bf16 copies: self.wide_cap)."""
+        with the step's inputs (each plan with bf16 copies (self.wide_cap): its two tables tab[0], tab[1] and its
+        src lists)."""
         t = self.cfg.text
         starts, tables = [s.start for s in seqs], [s.blocks for s in seqs]
         plans = [attention_plan(lens, starts, tables, t.window, self.wide_cap)]
         if keep is not None:
             n_rows = np.bincount(keep[2], minlength=len(seqs))
             plans.append(attention_plan(n_rows, starts, tables, t.window, self.wide_cap))
-        extra = [a for _, tab, src in plans if tab is not None for a in (tab, *src)]
+        extra = [a for _, tab, src in plans if tab is not None for a in (*tab, *src)]
         return plans, extra
 
     @staticmethod
     def _plans_on_device(plans, views):
-        """_attn_plans' plans with their tab and src as the uploaded views (in that order); (all, kept or None)."""
+        """_attn_plans' plans with their tables and src lists as the uploaded views (in that order), each a pair (0 full
+        layers, 1 sliding); (all, kept or None)."""
         out, views = [], list(views)
         for runs, tab, src in plans:
             if tab is not None:
-                tab, src = views.pop(0), [views.pop(0), views.pop(0)]
+                tab, src = views[0:2], views[2:4]
+                del views[:4]
             out.append((runs, tab, src))
         return out[0], out[1] if len(out) > 1 else None
 
@@ -460,7 +463,7 @@ class GpuModel(DecodeGraphs, StepTools):
                 off, n = r.wide[k]
                 pools = self._wide_views(geo)
                 kv_widen_gpu(g, self.k_pool[i], self.v_pool[i], (gpu.ptr(wsrc[k].ptr + 4 * off), n), *pools)
-                tables = g.view(wtab, k * wtab.shape[1] * wtab.shape[2] * 4, wtab.shape[1:], np.int32)
+                tables = wtab[k]
             got.add(attention_gpu(g, q, *pools, rows_seq, pos, tables, spans, t.window, geo.sliding, out,
                                   work=self.ws["attn_work"], out_slots=slots, split=r.split, rows=(r.r0, r.r1)))
         if len(got) > 1:

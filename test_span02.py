@@ -6641,8 +6641,8 @@ def test_gpu_attention_plan_runs(g, geo, kv):
         grouped = 0 < cap < sum(len(tables[j]) for j in (1, 2))
         assert [r.split for r in runs] == [True, False] + [False] * grouped + [True], (cap, runs)
         m = _plan_stand_in(g, G_, pools, work, cap)
-        up = [g.upload(a) for a in ([tab] + src if cap else [])]
-        plan = (runs, up[0], up[1:]) if cap else (runs, None, None)
+        up = [g.upload(a) for a in ([*tab] + src if cap else [])]
+        plan = (runs, up[:2], up[2:]) if cap else (runs, None, None)
         out = g.empty((T, Hq * D), BF)
         g.fill(out, 0xFF)
         assert m._attention(0, geo_ns, d["q"], d["rs"], d["rp"], sc.dt, d["sp"], out, True, plan) is False
@@ -6868,8 +6868,8 @@ def test_attention_by_plan_launches():
         m.ws = {"attn_work": arr((1 << 24,), np.float32)}
         m.kv_wide = [arr((cap * 2 * 16 * Hkv * D,), np.uint8, p) for p in (3 << 30, 4 << 30)] if cap else None
         runs, tab, src = A.attention_plan(n_rows, starts, tables, W, cap)
-        plan = (runs, arr(tab.shape, np.int32, 5 << 30), [arr(s.shape, np.int32, p) for s, p in
-                                                           zip(src, (6 << 30, 7 << 30))]) if cap else (runs, None, None)
+        plan = (runs, [arr(tab.shape[1:], np.int32, (5 << 30) + t * S * mb * 4) for t in (0, 1)],
+                [arr(s.shape, np.int32, p) for s, p in zip(src, (6 << 30, 7 << 30))]) if cap else (runs, None, None)
         q, rs, out = arr((T, Hq, D), BF), arr((T,), np.int32), arr((T, Hq * D), BF)
         dtab = arr((S, mb), np.int32, 8 << 30)
         assert m._attention(0, geo, q, rs, rs, dtab, None, out, True, plan) is False
