@@ -6499,6 +6499,11 @@ def test_gpu_attention_e4m3_matches_bf16(g, geo):
         o16 = run_attn(g, sc, qq, rs, rp, sp, W, sliding)
         assert (bits(o8) == bits(o16)).all(), f"{geo} {name}: {(bits(o8) != bits(o16)).sum()} elements differ"
         report(f"attn e4m3 {geo} {name}", o8, reference(sc, qq, rs.astype(np.int64), rp, sp, W, sliding))
+    qd, rs, rp = rand_q(rng, 32, D, Hq), np.arange(32, dtype=np.int32), np.array(lens, np.int32) - 1
+    o8 = run_attn(g, sc8, qd, rs, rp, {}, W, sliding, max_keys=100)     # split: rows past 3 slots NaN
+    o16 = run_attn(g, sc, qd, rs, rp, {}, W, sliding, max_keys=100)
+    assert (bits(o8) == bits(o16)).all(), "decode, max_keys too small: other bytes"
+    assert np.isnan(f64(o8)).any() or (sliding and W <= 3 * A.ATTN_CHUNK), "decode max_keys 100 NaNs no row"
     rs, rp = np.zeros(300, np.int32), np.arange(L - 300, L)
     o8 = run_attn(g, sc8, q[L - 300:], rs, rp, {}, W, sliding, max_keys=100)
     o16 = run_attn(g, sc, q[L - 300:], rs, rp, {}, W, sliding, max_keys=100)
@@ -6902,10 +6907,10 @@ def test_attention_split_plan():
     """The decode launches (no device): attn_split grid (rows, Hkv, split_z), block D / 2, shared memory for the
     position's G query rows and one zero row (attention_tile.cuh QR; 16 rows at most), so that 3 CTAs share an
     H200 SM at D = 256, G = 2 (the sliding layers); then the combine."""
-    def plan(T, D=256, Hq=16, Hkv=8, split=None):
+    def plan(T, D=256, Hq=16, Hkv=8, split=None, pool_dt=BF):
         lg = _LaunchLog((9, 0))
         arr = lambda shape, dt: types.SimpleNamespace(shape=shape, dtype=np.dtype(dt), ptr=1024, size=math.prod(shape))
-        q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), BF)
+        q, pool = arr((T, Hq, D), BF), arr((64, 16, Hkv, D), pool_dt)
         rs, tab, out = arr((T,), np.int32), arr((1, 70), np.int32), arr((T, Hq * D), BF)
         A.attention_gpu(lg, q, pool, pool, rs, rs, tab, None, 1024, True, out, work=arr((1 << 24,), np.float32),
                         split=split)
@@ -6930,6 +6935,18 @@ def test_attention_split_plan():
         "attention.attn_combine_bf16", 239), ("attention.attn_split_bf16_d256", 61), ("attention.attn_combine_bf16", 61)]
     assert [f for f, *_ in plan(128)[0]] == ["attention_sm90a.attn_fused_wg_bf16_d256"]
     assert [f for f, *_ in plan(8, split=False)[0]] == ["attention_sm90a.attn_fused_wg_bf16_d256"]
+    # e4m3 pools: attn_split8, two stages each of K and V chunks in rows of D + 16 bytes (still 3 CTAs an SM at D =
+    # 256, G = 2; 1 at D = 512, G = 8), the same grid
+    E4 = ml_dtypes.float8_e4m3fn
+    launches, blocks = plan(64, pool_dt=E4)
+    assert [f for f, *_ in launches] == ["attention.attn_split_e4m3_d256", "attention.attn_combine_bf16"]
+    assert launches[0][1] == (64, 8, A.split_z(64, 8, 17, 256, 2, True)) == (64, 8, A.split_z(64, 8, 17, 256, 2))
+    assert launches[0][2] == A.attention_smem(256, 1, G=2, e4m3=True) == (4 * 64 * 272 + 3 * 528 + 16 * 144
+                                                                        + 2 * 4 * 16 * 4 + 3 * 16 * 4)
+    assert 3 * (launches[0][2] + 1024) <= 228 * 1024 and blocks[0] == (128, 1, 1)
+    d512 = 4 * 64 * 528 + 9 * 1040 + 16 * 144 + 2 * 8 * 16 * 4 + 3 * 16 * 4
+    assert plan(5, D=512, Hkv=2, pool_dt=E4)[0][0][2] == A.attention_smem(512, 1, G=8, e4m3=True) == d512
+    assert A.split_fit(512, 8, True) == A.split_fit(512, 8) == 1
 
 
 # ====================================================================================================

@@ -368,7 +368,8 @@ extern "C" __global__ void __launch_bounds__(256) kv_widen_e4m3(
 // attn_split_bf16_d{D}: grid (nrows, Hkv, Z), block D/2, dynamic smem attention_smem(D, 1); out unused.
 // attn_fused_bf16_d{D}: grid (ceil(nrows / (16 FMT / G)), Hkv, 1), block FMT D / 2, dynamic smem
 //                       attention_smem(D, FMT); part_ml / part_acc unused.
-// attn_split_e4m3_d{D} / attn_fused_e4m3_d{D}: the same over e4m3 pools (the same launch, the same smem).
+// attn_split_e4m3_d{D} / attn_fused_e4m3_d{D}: the same over e4m3 pools (the same launches; the split one is
+//                       attention_tile.cuh attn_split8, dynamic smem attention_smem(D, 1, G=G, e4m3=True)).
 #define ATTN_KERNELS(D, FMT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(D / 2) attn_split_bf16_d##D(ATTN_ARGS) {                   \
         pdl_entry();                                                                                         \
@@ -380,7 +381,10 @@ extern "C" __global__ void __launch_bounds__(256) kv_widen_e4m3(
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(D / 2) attn_split_e4m3_d##D(ATTN_ARGS) {                   \
         pdl_entry();                                                                                         \
-        attn_tile<D, 1, true, true>(ATTN_PASS);                                                              \
+        attn_split8<D, SPLIT8_STAGES>(                                                                        \
+            q, reinterpret_cast<const uint8_t*>(k_pool), reinterpret_cast<const uint8_t*>(v_pool),           \
+            rows_seq, rows_pos, block_tables, max_blocks, spans, n_spans, window, sliding, row0, nrows,      \
+            Hq, Hkv, max_slots, part_ml, part_acc);                                                          \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(FMT * D / 2) attn_fused_e4m3_d##D(ATTN_ARGS) {             \
         pdl_entry();                                                                                         \

@@ -297,6 +297,7 @@ __device__ __forceinline__ void attn_tile(
     // K / V pool rows: ES bytes a value, KPR 16-byte pieces a row, landing at byte KOFF of their smem row (e4m3: the
     // upper half, widened in place by kv8_widen)
     constexpr int ES = F8 ? 1 : 2, KPR = D * ES / 16, KOFF = F8 ? D : 0;
+    static_assert(!(SPLIT && F8), "the split tile over e4m3 pools is attn_split8");
     static_assert((CHUNK * PPR) % NT == 0 && (16 * MT * PPR) % NT == 0 && (CHUNK * KPR) % NT == 0, "load loops");
     extern __shared__ __align__(16) uint8_t smem[];
     uint8_t* Ks = smem;                                        // [64 keys][SROW]
@@ -581,6 +582,247 @@ __device__ __forceinline__ void attn_tile(
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The split tile over e4m3 pools (attn_split_e4m3_d{D}): attn_tile<D, 1, true>'s work and bytes, with the e4m3 chunks
+// kept as they are in shared memory (rows of D + 16 bytes, half a bf16 row) and each fragment widened in registers
+// as it is loaded (e4m3x2_bf16x2, exact), in place of kv8_widen's pass over the chunk and its two CTA barriers. The
+// room this saves holds more stages: NS of them, so that chunks c + zstep .. c + (NS - 1) zstep stream in while c
+// is computed (one chunk in flight before: over e4m3 pools the split launches took as long as over bf16 ones, at
+// half the bytes; D = 512, batch 64 and 256 at ~1k context, fifty-seventh session). One commit group a chunk holds
+// its K and V.
+// The fragments hold the bf16 tile's values in the bf16 tile's k slots, so every mma adds what it adds there:
+//   S:   b0 = K[key g][16 ks + 2 qd, +1], b1 = K[key g][16 ks + 2 qd + 8, +9] (two 2-byte loads), as ldsm_x2 gives.
+//   P.V: the n columns of a pair of mmas are permuted (a D element is the dot product of its own A row and B column,
+//        whatever the column's place): o[2 np] takes columns d = 64 wg + 16 np + 2 g, o[2 np + 1] d + 1, so that one
+//        2-byte load of a key's row gives a lane both columns; the keys (k slots) are the bf16 tile's, 2 qd, 2 qd + 1,
+//        2 qd + 8, 2 qd + 9 of step ks. A lane then holds columns 64 wg + 16 np + 4 qd .. + 3 of its rows, stored
+//        as one 16-byte partial piece.
+// Shared memory (attention_smem(D, 1, G=G, e4m3=True)): K stages [NS][64][D + 16], V stages [NS][64][D + 16], then
+// attn_tile's Q rows, P, row max / sum and per-position words.
+// NS = SPLIT8_STAGES (layers/attention.py ATTN_SPLIT8_STAGES): 2. Measured (fifty-seventh session, ~1k context, batch
+// 64 / 256): 3 stages at D = 256 (2 CTAs an SM in place of 3) 127.7 / 408.3 us against 112.5 / 368.0; at D = 512 (1
+// CTA an SM either way) no difference beyond the runs' spread (99.8-114.5 / 306.8-333.8 against 110.2 / 317.8).
+// ---------------------------------------------------------------------------------------------------------
+#define SPLIT8_STAGES 2
+template <int D, int NS>
+__device__ __forceinline__ void attn_split8(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ k_pool, const uint8_t* __restrict__ v_pool,
+    const int* __restrict__ rows_seq, const int* __restrict__ rows_pos, const int* __restrict__ block_tables,
+    int max_blocks, const int* __restrict__ spans, int n_spans, int window, int sliding, int row0, int nrows, int Hq,
+    int Hkv, int max_slots, float* __restrict__ part_ml, float* __restrict__ part_acc) {
+    using C = AttnCfg<D>;
+    constexpr int NWG = C::NWG, KW = C::KW, NTS = C::NTS, SROW = C::SROW, PROW = C::PROW;
+    constexpr int NT = NWG * 32;                // threads
+    constexpr int PPR = D / 8;                  // 16-byte pieces per Q row
+    constexpr int R8 = D + 16, KPR = D / 16;    // e4m3 row: smem bytes, 16-byte pieces
+    constexpr int RS = NT / KPR;                // rows a loader step (8 for every D)
+    static_assert(RS * KPR == NT && KV_BLOCK % RS == 0, "attn_split8 loader");
+    static_assert(NS >= 2 && NS <= 4, "attn_split8 stages");
+    extern __shared__ __align__(16) uint8_t smem[];
+    uint8_t* K8 = smem;                                        // [NS][64 keys][R8]
+    uint8_t* V8 = K8 + NS * CHUNK * R8;                        // [NS][64 keys][R8]
+    uint8_t* Qs = V8 + NS * CHUNK * R8;                        // [QR rows][SROW]
+    const int G = Hq / Hkv, kvh = blockIdx.y, QR = min(G + 1, 16);
+    uint8_t* Ps = Qs + QR * SROW;                              // [16 rows][PROW]
+    float* red_max = reinterpret_cast<float*>(Ps + 16 * PROW);  // [NWG][16]
+    float* red_sum = red_max + NWG * 16;                       // [NWG][16]
+    int* p_lo = reinterpret_cast<int*>(red_sum + NWG * 16);    // [16]
+    int* p_hi = p_lo + 16;
+    int* p_seq = p_hi + 16;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wg = warp, g = lane >> 2, qd = lane & 3;
+    const int lr0 = blockIdx.x;
+    const size_t HD = (size_t)Hkv * D;
+    const float NEG = -__int_as_float(0x7f800000);
+
+    if (tid < 1) tile_position(tid, lr0, row0, nrows, rows_seq, rows_pos, spans, n_spans, window, sliding, p_lo, p_hi,
+                               p_seq);
+    __syncthreads();
+    const int z0 = blockIdx.z, zstep = gridDim.z;
+    if (p_seq[0] < 0 || z0 >= max_slots || p_lo[0] / CHUNK + z0 > p_hi[0] / CHUNK) return;
+    const int kmin = p_lo[0], kmax = p_hi[0];
+    const int* bt = block_tables + (size_t)p_seq[0] * max_blocks;
+
+    int rh[2];
+    bool rok[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        int pi;
+        tile_row(g + 8 * rr, 1, G, kvh, p_seq, rok[rr], pi, rh[rr]);
+    }
+
+    // Q rows (once): row m < G -> q[(row0 + lr0) * Hq + kvh * G + m]; row G (and any past it) zero
+    for (int idx = tid; idx < QR * PPR; idx += NT) {
+        const int m = idx / PPR, pc = idx % PPR;
+        const bool ok = m < G;
+        const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0) * Hq + kvh * G + m) * D + 8 * pc : q;
+        cp_async16(Qs + m * SROW + 16 * pc, src, ok);
+    }
+    // chunk c's K and V rows into stage st: thread tid copies piece tid % KPR of rows tid / KPR + RS r of each of the
+    // chunk's 4 blocks (as attn_tile's load_kv); keys outside [kmin, kmax] are zeros, not read
+    auto load8 = [&](int st, int c) {
+        const int w = tid / KPR, pc = tid % KPR;
+        const uint32_t sk = smem_u32(K8) + st * CHUNK * R8 + w * R8 + 16 * pc, sv = sk + NS * CHUNK * R8;
+        const size_t step = (size_t)RS * HD, piece = (size_t)kvh * D + 16 * pc;
+        const bool whole = c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax;
+#pragma unroll
+        for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+            const int k0 = c * CHUNK + b * KV_BLOCK;
+            const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;   // blocks with no key in range: not read
+            const size_t off = any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * HD + piece : 0;
+#pragma unroll
+            for (int r = 0; r < KV_BLOCK / RS; r++) {
+                const int j = k0 + w + RS * r;
+                const bool ok = whole || (j >= kmin && j <= kmax);
+                const size_t o = ok ? off + r * step : 0;
+                const uint32_t d = (b * KV_BLOCK + RS * r) * R8;
+                cp_async16(sk + d, k_pool + o, ok);
+                cp_async16(sv + d, v_pool + o, ok);
+            }
+        }
+    };
+
+    const int cb = kmin / CHUNK + z0, cs = zstep;
+    const int ce = min(kmax / CHUNK, kmin / CHUNK + max_slots - 1);   // slots past the scratch: the combine NaNs
+#pragma unroll
+    for (int i = 0; i < NS; i++) {                             // groups: Q and chunk cb, then cb + i cs (maybe empty)
+        if (cb + i * cs <= ce) load8(i, cb + i * cs);
+        cp_async_commit();
+    }
+    int st = 0;
+    for (int c = cb; c <= ce; c += cs, st = st + 1 == NS ? 0 : st + 1) {
+        cp_async_wait<NS - 1>();                               // chunk c landed (the next NS - 1 may be in flight)
+        __syncthreads();
+        const uint8_t* Ks = K8 + st * CHUNK * R8;
+        const uint8_t* Vs = V8 + st * CHUNK * R8;
+
+        // --- S = Q K^T, keys KW wg + 8n + (0..7): d ascending, 16 per mma ---
+        float s[NTS][4];
+#pragma unroll
+        for (int n = 0; n < NTS; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[n][i] = 0.f;
+        {
+            const uint8_t* qa = Qs + min(lane & 15, QR - 1) * SROW + 16 * (lane >> 4);
+            const uint8_t* kr = Ks + (KW * wg + g) * R8 + 2 * qd;
+#pragma unroll 4
+            for (int ks = 0; ks < D / 16; ks++) {
+                uint32_t a[4];
+                ldsm_x4(a, qa + 32 * ks);
+#pragma unroll
+                for (int n = 0; n < NTS; n++) {
+                    const uint8_t* p = kr + n * 8 * R8 + 16 * ks;
+                    const uint32_t b0 = e4m3x2_bf16x2(*reinterpret_cast<const uint16_t*>(p));
+                    const uint32_t b1 = e4m3x2_bf16x2(*reinterpret_cast<const uint16_t*>(p + 8));
+                    mma16816(s[n], a, b0, b1);
+                }
+            }
+        }
+        // mask (select): key j visible iff kmin <= j <= kmax; row max
+        float mx[2] = {NEG, NEG};
+#pragma unroll
+        for (int n = 0; n < NTS; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int rr = i >> 1, j = c * CHUNK + KW * wg + 8 * n + 2 * qd + (i & 1);
+                const bool v = rok[rr] && j >= kmin && j <= kmax;
+                s[n][i] = v ? s[n][i] : NEG;
+                mx[rr] = fmaxf(mx[rr], s[n][i]);
+            }
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+        }
+        if (qd == 0) {
+            red_max[wg * 16 + g] = mx[0];
+            red_max[wg * 16 + g + 8] = mx[1];
+        }
+        __syncthreads();                                       // maxima visible
+
+        // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: as attn_tile ---
+        float mrow[2], lsum[2] = {0.f, 0.f};
+        over_warps<NWG>(red_max, g, mrow, [](float x, float y) { return fmaxf(x, y); });
+        {
+            uint8_t* pw = Ps + g * PROW + 2 * (KW * wg + 2 * qd);
+#pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];
+#pragma unroll
+                for (int n = 0; n < NTS; n++) {
+                    const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
+                    const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
+                    const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
+                    *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
+                    const float2 pf = __bfloat1622float2(pb);
+                    lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
+                }
+                lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
+                lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
+            }
+        }
+        if (qd == 0) {
+            red_sum[wg * 16 + g] = lsum[0];
+            red_sum[wg * 16 + g + 8] = lsum[1];
+        }
+        __syncthreads();                                       // P and the sums visible
+        float lrow[2];
+        over_warps<NWG>(red_sum, g, lrow, [](float x, float y) { return __fadd_rn(x, y); });
+
+        // --- acc = P V: o[2 np] columns 64 wg + 16 np + 2 g, o[2 np + 1] the next (above); keys ascending ---
+        float o[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[n][i] = 0.f;
+        {
+            const uint8_t* pa = Ps + (lane & 15) * PROW + 16 * (lane >> 4);
+            const uint8_t* vr = Vs + 2 * qd * R8 + 64 * wg + 2 * g;   // key 2 qd, columns 64 wg + 2 g, + 1
+#pragma unroll
+            for (int ks = 0; ks < CHUNK / 16; ks++) {
+                uint32_t a[4];
+                ldsm_x4(a, pa + 32 * ks);
+#pragma unroll
+                for (int np = 0; np < 4; np++) {
+                    const uint8_t* p = vr + 16 * ks * R8 + 16 * np;
+                    const uint32_t x0 = *reinterpret_cast<const uint16_t*>(p);            // key 16 ks + 2 qd
+                    const uint32_t x1 = *reinterpret_cast<const uint16_t*>(p + R8);       // + 1
+                    const uint32_t x2 = *reinterpret_cast<const uint16_t*>(p + 8 * R8);   // + 8
+                    const uint32_t x3 = *reinterpret_cast<const uint16_t*>(p + 9 * R8);   // + 9
+                    // even column: the low bytes (key 2 qd in the low half), odd column: the high bytes
+                    mma16816(o[2 * np], a, e4m3x2_bf16x2(__byte_perm(x0, x1, 0x0040)),
+                             e4m3x2_bf16x2(__byte_perm(x2, x3, 0x0040)));
+                    mma16816(o[2 * np + 1], a, e4m3x2_bf16x2(__byte_perm(x0, x1, 0x0051)),
+                             e4m3x2_bf16x2(__byte_perm(x2, x3, 0x0051)));
+                }
+            }
+        }
+
+        // --- the partial of slot z: o[2 np][2 rr + j] is column 64 wg + 16 np + 4 qd + 2 j, o[2 np + 1] the next ---
+        const int z = c - kmin / CHUNK;
+#pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            if (!rok[rr]) continue;                            // rows m < G
+            const size_t i = ((size_t)lr0 * Hq + rh[rr]) * max_slots + z;
+            float* pacc = part_acc + i * D + 64 * wg + 4 * qd;
+#pragma unroll
+            for (int np = 0; np < 4; np++)
+                *reinterpret_cast<float4*>(pacc + 16 * np) = make_float4(o[2 * np][2 * rr], o[2 * np + 1][2 * rr],
+                                                                          o[2 * np][2 * rr + 1],
+                                                                          o[2 * np + 1][2 * rr + 1]);
+            if (wg == 0 && qd == 0) {
+                part_ml[2 * i] = mrow[rr];
+                part_ml[2 * i + 1] = lrow[rr];
+            }
+        }
+        __syncthreads();                                       // every warp is done with stage st and Ps
+        if (c + NS * cs <= ce) load8(st, c + NS * cs);
+        cp_async_commit();                                     // group: chunk c + NS cs (maybe empty)
+    }
+    cp_async_wait<0>();
 }
 
 // The arguments of every attention kernel (attention.cu, attention_sm90a.cu), and passing them on.

@@ -118,6 +118,8 @@ ATTN_WG_V_STAGES = 2               # V stages (WVS)
 ATTN_WG_THREADS = 384              # 2 compute warpgroups + 1 loader (WNT + WLT)
 ATTN_WG_ROWS = 64                  # query rows a CTA (WROWS): 64 / G positions
 ATTN_WG_COLS = 256                 # output columns a CTA (WDV)
+ATTN_SPLIT8_STAGES = 2             # chunk stages of the e4m3 split tile (attention_tile.cuh SPLIT8_STAGES): the K
+                                   # and V of chunks c and c + Z in shared memory
 ATTN_SPLIT_Z = 17                  # most chunk-slot columns of the split grid (CTA z takes slots z, z + Z, ...):
                                    # 17 = a full 1024-key window at any alignment; never more CTAs than slots
 ATTN_SPLIT_WAVE = 512              # split grids aim at ~this many CTAs per CTA an SM holds (~4 waves on 132 SMs):
@@ -125,13 +127,13 @@ ATTN_SPLIT_WAVE = 512              # split grids aim at ~this many CTAs per CTA 
 SM_SMEM = 228 * 1024               # shared memory of an sm_90 SM; each resident CTA also takes 1 KiB (reserved)
 
 
-def split_fit(D, G):
-    """CTAs of attn_split_bf16_d{D} an SM holds for G query heads a kv head: its shared memory binds (D = 256,
-    G = 2: 72,176 B, 3; D = 512, G = 8: 146,000 B, 1)."""
-    return max(1, SM_SMEM // (attention_smem(D, 1, G=G) + 1024))
+def split_fit(D, G, e4m3=False):
+    """CTAs of attn_split_bf16_d{D} (e4m3: attn_split_e4m3_d{D}) an SM holds for G query heads a kv head: its shared
+    memory binds (D = 256, G = 2: 72,176 B, 3 (e4m3 74,224 B, 3); D = 512, G = 8: 146,000 B, 1 (148,048 B, 1))."""
+    return max(1, SM_SMEM // (attention_smem(D, 1, G=G, e4m3=e4m3) + 1024))
 
 
-def split_z(n, Hkv, slots, D, G):
+def split_z(n, Hkv, slots, D, G, e4m3=False):
     """Chunk-slot columns Z of a split launch over n rows (grid (n, Hkv, Z)) for head_dim D, G query heads a kv
     head. Each CTA walks its slots with the next chunk's K / V in flight, so when n * Hkv alone fills the GPU
     fewer, longer CTAs stream better than one chunk each (H200, 1k context, graph-replayed: sliding B = 64 205.6 us
@@ -141,7 +143,7 @@ def split_z(n, Hkv, slots, D, G):
     (decode graphs at 1k context, b64 step 14,596 us (16 Q rows, 512 CTAs) -> 14,099 (G + 1 rows, 1536); eighteenth
     session), and 512 at D = 512, G = 8 (1 an SM: Z = 4 at batch 64, not 12; b64 step 14,060.6 -> 14,017.1 us,
     nineteenth session). Speed only: the partials and their fold are the same."""
-    want = -(-ATTN_SPLIT_WAVE * split_fit(D, G) // max(1, n * Hkv))
+    want = -(-ATTN_SPLIT_WAVE * split_fit(D, G, e4m3) // max(1, n * Hkv))
     return max(1, min(slots, ATTN_SPLIT_Z, max(2, want)))
 
 
@@ -367,20 +369,25 @@ def attention_work(g, rows, Hq, D, max_keys):
     return g.empty((rows * split_row_floats(Hq, max_keys, D) + 4,), np.float32)
 
 
-def attention_smem(D, MT, wg=False, G=None):
+def attention_smem(D, MT, wg=False, G=None, e4m3=False):
     """Dynamic shared memory of attn_split (MT 1) / attn_fused (MT = ATTN_FUSED_MT[D]) for head_dim D (attn_tile in
     attention_tile.cuh): K and V chunks + the Q tile (rows of 2D + 16 bytes), P (16 MT rows x 144 B), per-warp row
     max / sum, per-position lo / hi / seq. wg (attention_sm90a.cu WgCfg<D>; MT unused): Q and ATTN_WG_K_STAGES[D]
     stages of K (64 rows of 2D bytes, swizzled), ATTN_WG_V_STAGES of V (64 rows of the CTA's ATTN_WG_COLS columns),
     P, row maxima of 2 warpgroups and sums of D / 64 key groups, lo / hi / seq, and the stages' full / empty
     mbarriers. G (the split tile, MT 1): its query heads a kv head; the tile then keeps G + 1 Q rows (at most 16;
-    attention_tile.cuh QR), not 16."""
+    attention_tile.cuh QR), not 16. e4m3 (the split tile over e4m3 pools, attn_split8; G given):
+    ATTN_SPLIT8_STAGES stages each of K and V chunks in rows of D + 16 bytes, not one each of 2D + 16."""
     if wg:
         ks, vs, rows = ATTN_WG_K_STAGES[D], ATTN_WG_V_STAGES, ATTN_WG_ROWS
         return ((1 + ks) * rows * 2 * D + vs * rows * 2 * ATTN_WG_COLS + rows * (2 * ATTN_CHUNK + 16)
                 + (2 + D // 64) * rows * 4 + 3 * rows * 4 + 2 * (ks + vs) * 8)
     qrows = 16 * MT if G is None else min(G + 1, 16)     # split (G given): the G rows and a zero row
-    return ((2 * ATTN_CHUNK + qrows) * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
+    if e4m3 and G is not None:
+        kv = 2 * ATTN_SPLIT8_STAGES * ATTN_CHUNK * (D + 16)
+    else:
+        kv = 2 * ATTN_CHUNK * (2 * D + 16)
+    return (kv + qrows * (2 * D + 16) + 16 * MT * (2 * ATTN_CHUNK + 16)
             + 2 * MT * (D // 64) * 16 * 4 + 3 * 16 * MT * 4)
 
 
@@ -467,6 +474,7 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
         raise ValueError(f"work: float32 of at least {per_row} + 4 elements (attention_work)")
     group = min(r1 - r0, (work.size - 4) // per_row)
     fs = mod.function(f"attn_split_{kind}_d{D}")
+    e4 = kind == "e4m3"
     fc = mod.function("attn_combine_bf16")
     import gpu
     ml = gpu.ptr(work.ptr)                               # (group, Hq, slots, 2) m, l
@@ -474,8 +482,8 @@ def attention_gpu(g, q, k_pool, v_pool, rows_seq, rows_pos, block_tables, spans,
     try:
         for row0 in range(r0, r1, group):
             n = min(group, r1 - row0)
-            g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots, D, G)), block=(D // 2, 1, 1),
-                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1, G=G))
+            g.launch(fs, grid=(n, Hkv, split_z(n, Hkv, slots, D, G, e4)), block=(D // 2, 1, 1),
+                     args=common + [row0, n, Hq, Hkv, slots, ml, acc, None], shared=attention_smem(D, 1, G=G, e4m3=e4))
             g.launch(fc, grid=(n, Hq, 1), block=(D // 4, 1, 1),
                      args=[ml, acc, rows_seq, rows_pos, use_spans, n_spans, int(window), int(bool(sliding)),
                            row0, Hq, D, slots, out])
