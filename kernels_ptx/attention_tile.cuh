@@ -262,6 +262,64 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)) : "memory");
 }
 
+// The chunk's scores s of a lane's two tile rows (rr = 0, 1: rows g, g + 8; s[n][2 rr + e] is key j0 + 8 n + 2 qd + e)
+// masked by select (key j visible iff act[rr] and lo[rr] <= j <= hi[rr]), then each row's maximum over the lane's
+// quad, which lane qd == 0 stores at red[16 wg + row] for over_warps. Every tile's one form, hence one instruction
+// sequence.
+template <int NTS>
+__device__ __forceinline__ void mask_rowmax(float (&s)[NTS][4], int j0, const bool (&act)[2], const int (&lo)[2],
+                                            const int (&hi)[2], int g, int qd, int wg, float* red) {
+    const float NEG = -__int_as_float(0x7f800000);
+    float mx[2] = {NEG, NEG};
+#pragma unroll
+    for (int n = 0; n < NTS; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int rr = i >> 1, j = j0 + 8 * n + 2 * qd + (i & 1);
+            const bool v = act[rr] && j >= lo[rr] && j <= hi[rr];
+            s[n][i] = v ? s[n][i] : NEG;
+            mx[rr] = fmaxf(mx[rr], s[n][i]);
+        }
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+        mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+    }
+    if (qd == 0) {
+        red[wg * 16 + g] = mx[0];
+        red[wg * 16 + g + 8] = mx[1];
+    }
+}
+
+// p = bf16(exp(s - m)) of the lane's scores into P (pw: the lane's first element of row g; row g + 8 lies 8 PROW
+// further) and each row's l: the lane's sum (n ascending), then the quad butterfly; lane qd == 0 stores it at
+// red[16 wg + row]. m = mrow (the row max over the warps); a row without keys in the chunk (m = -inf) gets p = 0.
+template <int NTS, int PROW>
+__device__ __forceinline__ void softmax_p(const float (&s)[NTS][4], const float (&mrow)[2], uint8_t* pw, int g, int qd,
+                                          int wg, float* red) {
+    const float NEG = -__int_as_float(0x7f800000);
+    float lsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];
+#pragma unroll
+        for (int n = 0; n < NTS; n++) {
+            const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
+            const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
+            const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
+            *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
+            const float2 pf = __bfloat1622float2(pb);
+            lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
+        }
+        lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
+        lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
+    }
+    if (qd == 0) {
+        red[wg * 16 + g] = lsum[0];
+        red[wg * 16 + g + 8] = lsum[1];
+    }
+}
+
 template <int D> struct AttnCfg {
     static_assert(D == 64 || D == 128 || D == 256 || D == 512, "D: 64, 128, 256 or 512");
     static constexpr int NWG = D / 64;          // warps per m-tile; warp wg: output columns [64 wg, 64 wg + 64)
@@ -451,57 +509,18 @@ __device__ __forceinline__ void attn_tile(
                 }
             }
             // mask (select): key j visible to the row iff it is in this pass and lo <= j <= hi; row max
-            float mx[2] = {NEG, NEG};
-#pragma unroll
-            for (int n = 0; n < NTS; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int rr = i >> 1, j = c * CHUNK + KW * wg + 8 * n + 2 * qd + (i & 1);
-                    const bool v = ract[rr] && j >= rlo[rr] && j <= rhi[rr];
-                    s[n][i] = v ? s[n][i] : NEG;
-                    mx[rr] = fmaxf(mx[rr], s[n][i]);
-                }
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-            }
             float* rmax = red_max + mt * NWG * 16;
             float* rsum = red_sum + mt * NWG * 16;
-            if (qd == 0) {
-                rmax[wg * 16 + g] = mx[0];
-                rmax[wg * 16 + g + 8] = mx[1];
-            }
+            mask_rowmax<NTS>(s, c * CHUNK + KW * wg, ract, rlo, rhi, g, qd, wg, rmax);
             __syncthreads();                                    // maxima visible; every warp is done with Ks
             if (cn <= ce) load_kv(Ks, k_pool, bt, cn, kmin, kmax);
             cp_async_commit();                                  // group: K(cn) (maybe empty)
 
             // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: lane sum (n ascending), quad
             //     butterfly, then the warps in order 0..NWG-1 ---
-            float mrow[2], lsum[2] = {0.f, 0.f};
+            float mrow[2];
             over_warps<NWG>(rmax, g, mrow, [](float x, float y) { return fmaxf(x, y); });
-            {
-                uint8_t* pw = Ps + (16 * mt + g) * PROW + 2 * (KW * wg + 2 * qd);
-#pragma unroll
-                for (int rr = 0; rr < 2; rr++) {
-                    const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];   // row without keys here: all p = 0
-#pragma unroll
-                    for (int n = 0; n < NTS; n++) {
-                        const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
-                        const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
-                        const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
-                        *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
-                        const float2 pf = __bfloat1622float2(pb);
-                        lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
-                    }
-                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
-                    lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
-                }
-            }
-            if (qd == 0) {
-                rsum[wg * 16 + g] = lsum[0];
-                rsum[wg * 16 + g + 8] = lsum[1];
-            }
+            softmax_p<NTS, PROW>(s, mrow, Ps + (16 * mt + g) * PROW + 2 * (KW * wg + 2 * qd), g, qd, wg, rsum);
             cp_async_wait<1>();                                 // V(c) landed (K(cn) may be in flight)
             __syncthreads();                                    // ... for everyone; P and the sums visible
             if constexpr (F8) {
@@ -643,7 +662,7 @@ __device__ __forceinline__ void attn_split8(
     __syncthreads();
     const int z0 = blockIdx.z, zstep = gridDim.z;
     if (p_seq[0] < 0 || z0 >= max_slots || p_lo[0] / CHUNK + z0 > p_hi[0] / CHUNK) return;
-    const int kmin = p_lo[0], kmax = p_hi[0];
+    const int kmin = p_lo[0], kmax = p_hi[0], klo[2] = {kmin, kmin}, khi[2] = {kmax, kmax};
     const int* bt = block_tables + (size_t)p_seq[0] * max_blocks;
 
     int rh[2];
@@ -722,52 +741,13 @@ __device__ __forceinline__ void attn_split8(
             }
         }
         // mask (select): key j visible iff kmin <= j <= kmax; row max
-        float mx[2] = {NEG, NEG};
-#pragma unroll
-        for (int n = 0; n < NTS; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int rr = i >> 1, j = c * CHUNK + KW * wg + 8 * n + 2 * qd + (i & 1);
-                const bool v = rok[rr] && j >= kmin && j <= kmax;
-                s[n][i] = v ? s[n][i] : NEG;
-                mx[rr] = fmaxf(mx[rr], s[n][i]);
-            }
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-        }
-        if (qd == 0) {
-            red_max[wg * 16 + g] = mx[0];
-            red_max[wg * 16 + g + 8] = mx[1];
-        }
+        mask_rowmax<NTS>(s, c * CHUNK + KW * wg, rok, klo, khi, g, qd, wg, red_max);
         __syncthreads();                                       // maxima visible
 
         // --- m = max over the NWG warps; p = bf16(exp(s - m)) -> Ps; l: as attn_tile ---
-        float mrow[2], lsum[2] = {0.f, 0.f};
+        float mrow[2];
         over_warps<NWG>(red_max, g, mrow, [](float x, float y) { return fmaxf(x, y); });
-        {
-            uint8_t* pw = Ps + g * PROW + 2 * (KW * wg + 2 * qd);
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const float ms = mrow[rr] == NEG ? 0.f : mrow[rr];
-#pragma unroll
-                for (int n = 0; n < NTS; n++) {
-                    const float p0 = exp_fixed(__fsub_rn(s[n][2 * rr], ms));
-                    const float p1 = exp_fixed(__fsub_rn(s[n][2 * rr + 1], ms));
-                    const __nv_bfloat162 pb = __floats2bfloat162_rn(p0, p1);
-                    *reinterpret_cast<__nv_bfloat162*>(pw + rr * 8 * PROW + 16 * n) = pb;
-                    const float2 pf = __bfloat1622float2(pb);
-                    lsum[rr] = __fadd_rn(lsum[rr], __fadd_rn(pf.x, pf.y));
-                }
-                lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 1));
-                lsum[rr] = __fadd_rn(lsum[rr], __shfl_xor_sync(0xffffffffu, lsum[rr], 2));
-            }
-        }
-        if (qd == 0) {
-            red_sum[wg * 16 + g] = lsum[0];
-            red_sum[wg * 16 + g + 8] = lsum[1];
-        }
+        softmax_p<NTS, PROW>(s, mrow, Ps + g * PROW + 2 * (KW * wg + 2 * qd), g, qd, wg, red_sum);
         __syncthreads();                                       // P and the sums visible
         float lrow[2];
         over_warps<NWG>(red_sum, g, lrow, [](float x, float y) { return __fadd_rn(x, y); });
