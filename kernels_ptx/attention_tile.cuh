@@ -655,7 +655,6 @@ __device__ __forceinline__ void attn_split8(
     const int wg = warp, g = lane >> 2, qd = lane & 3;
     const int lr0 = blockIdx.x;
     const size_t HD = (size_t)Hkv * D;
-    const float NEG = -__int_as_float(0x7f800000);
 
     if (tid < 1) tile_position(tid, lr0, row0, nrows, rows_seq, rows_pos, spans, n_spans, window, sliding, p_lo, p_hi,
                                p_seq);
