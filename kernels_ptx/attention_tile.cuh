@@ -328,49 +328,6 @@ __device__ __forceinline__ void softmax_p(const float (&s)[NTS][4], const float 
     }
 }
 
-// The pieces of chunk c (keys 64c .. 64c+63) that one loader thread copies, shared by attn_tile's load_kv and
-// attn_split8's load8: piece `piece` (a byte offset in a pool row) of rows w + RS r of each of the chunk's 4 blocks
-// (RS divides KV_BLOCK), so the chunk needs 4 block-table reads, not one a piece, and a piece is a pointer step.
-// copy(row, p, ok): row = the key's row in the chunk, p = its piece in the pool (src where !ok: keys outside
-// [kmin, kmax] are zeros, not read; blocks with no key in range are not looked up).
-// SPLIT_FORMS: a chunk whole in range copies without a predicate, in a loop of its own (outside the loops: ptxas
-// predicates both forms of every piece otherwise); attention_sm90a.cu's loader does the same (there it took the
-// 2,048-token sliding prefill from 193.7 to 148.6 us). attn_split8, two copies a piece, keeps one loop: with two its
-// D = 256 split over e4m3 pools took 362.5-365.2 us at batch 256 against 354.5-354.9 (dev A/B, fifty-eighth session).
-template <int RS, bool SPLIT_FORMS, class Copy>
-__device__ __forceinline__ void chunk_pieces(int c, int kmin, int kmax, const int* __restrict__ bt, int w,
-                                             const uint8_t* src, size_t row_bytes, size_t piece, Copy copy) {
-    static_assert(KV_BLOCK % RS == 0, "chunk_pieces: RS rows a step");
-    const size_t step = (size_t)RS * row_bytes;
-    const uint8_t* bp[CHUNK / KV_BLOCK];                    // the thread's row w of each block
-#pragma unroll
-    for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
-        const int k0 = c * CHUNK + b * KV_BLOCK;
-        const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;
-        bp[b] = src + (any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * row_bytes + piece : 0);
-    }
-    const bool whole = c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax;
-    if (SPLIT_FORMS && whole) {
-#pragma unroll
-        for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
-            const uint8_t* p = bp[b];
-#pragma unroll
-            for (int r = 0; r < KV_BLOCK / RS; r++, p += step) copy(b * KV_BLOCK + RS * r, p, true);
-        }
-    } else {
-#pragma unroll
-        for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
-            const uint8_t* p = bp[b];
-#pragma unroll
-            for (int r = 0; r < KV_BLOCK / RS; r++, p += step) {
-                const int j = c * CHUNK + b * KV_BLOCK + w + RS * r;
-                const bool ok = (!SPLIT_FORMS && whole) || (j >= kmin && j <= kmax);
-                copy(b * KV_BLOCK + RS * r, ok ? p : src, ok);
-            }
-        }
-    }
-}
-
 template <int D> struct AttnCfg {
     static_assert(D == 64 || D == 128 || D == 256 || D == 512, "D: 64, 128, 256 or 512");
     static constexpr int NWG = D / 64;          // warps per m-tile; warp wg: output columns [64 wg, 64 wg + 64)
@@ -458,17 +415,45 @@ __device__ __forceinline__ void attn_tile(
         if (!SPLIT || m < QR) cp_async16(Qs + m * SROW + 16 * pc, src, ok);
     }
     // one chunk of K or V rows (keys 64c .. 64c+63) into dst; keys outside [kmin, kmax] are zeros, not read. Thread
-    // tid copies piece tid % KPR of rows tid / KPR + RS i (RS = NT / KPR rows a step): when RS divides KV_BLOCK, by
-    // chunk_pieces; else one block-table read a piece.
+    // tid copies piece tid % PPR of rows tid / PPR + RS i (RS = NT / PPR rows a step): when RS divides KV_BLOCK, row
+    // w + RS r of each of the chunk's 4 blocks, so the chunk needs 4 block-table reads, not one a piece, and a piece
+    // is a pointer step; a chunk whole in range copies without a predicate (attention_sm90a.cu's loader does the same;
+    // there it took the 2,048-token sliding prefill from 193.7 to 148.6 us).
     auto load_kv = [&](uint8_t* dst, const __nv_bfloat16* __restrict__ pool, const int* __restrict__ bt, int c,
                        int kmin, int kmax) {
         constexpr int RS = NT / KPR;
         if constexpr (NT % KPR == 0 && KV_BLOCK % RS == 0) {
             const int w = tid / KPR, pc = tid % KPR;
+            const uint8_t* src = reinterpret_cast<const uint8_t*>(pool);
             const uint32_t sd = smem_u32(dst) + KOFF + w * SROW + 16 * pc;
-            chunk_pieces<RS, true>(c, kmin, kmax, bt, w, reinterpret_cast<const uint8_t*>(pool), (size_t)ES * HD,
-                                   (size_t)ES * kvh * D + 16 * pc,
-                                   [&](int row, const uint8_t* p, bool ok) { cp_async16(sd + row * SROW, p, ok); });
+            const size_t step = (size_t)ES * RS * HD, piece = (size_t)ES * kvh * D + 16 * pc;
+            const uint8_t* bp[CHUNK / KV_BLOCK];                // the thread's row w of each block
+#pragma unroll
+            for (int b = 0; b < CHUNK / KV_BLOCK; b++) {       // blocks with no key in range: not read
+                const int k0 = c * CHUNK + b * KV_BLOCK;
+                const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;
+                bp[b] = src + (any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * ES * HD + piece : 0);
+            }
+            if (c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax) {   // (outside the loops: ptxas predicates both
+#pragma unroll                                                         //  forms of every piece otherwise)
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = bp[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / RS; r++, p += step)
+                        cp_async16(sd + (b * KV_BLOCK + RS * r) * SROW, p, true);
+                }
+            } else {
+#pragma unroll
+                for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+                    const uint8_t* p = bp[b];
+#pragma unroll
+                    for (int r = 0; r < KV_BLOCK / RS; r++, p += step) {
+                        const int j = c * CHUNK + b * KV_BLOCK + w + RS * r;
+                        const bool ok = j >= kmin && j <= kmax;
+                        cp_async16(sd + (b * KV_BLOCK + RS * r) * SROW, ok ? p : src, ok);
+                    }
+                }
+            }
         } else {
 #pragma unroll 4
             for (int it = 0; it < CHUNK * KPR / NT; it++) {
@@ -693,15 +678,30 @@ __device__ __forceinline__ void attn_split8(
         const __nv_bfloat16* src = ok ? q + ((size_t)(row0 + lr0) * Hq + kvh * G + m) * D + 8 * pc : q;
         cp_async16(Qs + m * SROW + 16 * pc, src, ok);
     }
-    // chunk c's K and V rows into stage st: thread tid copies piece tid % KPR of rows tid / KPR + RS r (chunk_pieces)
+    // chunk c's K and V rows into stage st: thread tid copies piece tid % KPR of rows tid / KPR + RS r of each of the
+    // chunk's 4 blocks (as attn_tile's load_kv); keys outside [kmin, kmax] are zeros, not read. (One helper for both
+    // loaders, with this one's single loop, gave the bf16 kernels the same instructions but made this tile 3% slower
+    // at D = 256, batch 256: 368.0 / 370.0 us against 357.2 / 357.9, fifty-eighth session; so each keeps its own.)
     auto load8 = [&](int st, int c) {
         const int w = tid / KPR, pc = tid % KPR;
         const uint32_t sk = smem_u32(K8) + st * CHUNK * R8 + w * R8 + 16 * pc, sv = sk + NS * CHUNK * R8;
-        chunk_pieces<RS, false>(c, kmin, kmax, bt, w, k_pool, HD, (size_t)kvh * D + 16 * pc,
-                                [&](int row, const uint8_t* p, bool ok) {   // V: the same piece of the V pool
-                                    cp_async16(sk + row * R8, p, ok);
-                                    cp_async16(sv + row * R8, v_pool + (p - k_pool), ok);
-                                });
+        const size_t step = (size_t)RS * HD, piece = (size_t)kvh * D + 16 * pc;
+        const bool whole = c * CHUNK >= kmin && c * CHUNK + CHUNK - 1 <= kmax;
+#pragma unroll
+        for (int b = 0; b < CHUNK / KV_BLOCK; b++) {
+            const int k0 = c * CHUNK + b * KV_BLOCK;
+            const bool any = k0 + KV_BLOCK - 1 >= kmin && k0 <= kmax;   // blocks with no key in range: not read
+            const size_t off = any ? ((size_t)bt[k0 / KV_BLOCK] * KV_BLOCK + w) * HD + piece : 0;
+#pragma unroll
+            for (int r = 0; r < KV_BLOCK / RS; r++) {
+                const int j = k0 + w + RS * r;
+                const bool ok = whole || (j >= kmin && j <= kmax);
+                const size_t o = ok ? off + r * step : 0;
+                const uint32_t d = (b * KV_BLOCK + RS * r) * R8;
+                cp_async16(sk + d, k_pool + o, ok);
+                cp_async16(sv + d, v_pool + o, ok);
+            }
+        }
     };
 
     const int cb = kmin / CHUNK + z0, cs = zstep;
