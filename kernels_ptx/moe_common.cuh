@@ -72,7 +72,8 @@ __device__ __forceinline__ float gate_up_out(float accg, float accu, const float
 // scaled by 2^-8 are the unscaled ones times 2^-8, bit for bit, as long as no product or sum falls below fp32's
 // normal range (|x| < ~2^-110 in the activations); apply_global multiplies the sum back by 2^8 (exact). 13
 // instructions per 8 weights (the mask steps, one multiply per bf16 pair), against 19 of the byte-table decode this
-// replaced; the expert kernels are issue-bound (BENCHMARKS.md, eighth session).
+// replaced; the expert kernels are issue-bound at prompt sizes (BENCHMARKS.md, eighth session). At the decode batches
+// the decode is ~7% of a whole expert call (fifty-ninth session, dev builds without it; moe_sm90a.cu's header).
 // ===================================================================================================
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

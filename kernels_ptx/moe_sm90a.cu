@@ -37,6 +37,11 @@
 // shared memory as 16-byte stores (down_wg_body, 64-token tiles): a 2,048-token prefill's 30 moe_down_wg64 launches
 // 7,964 -> 7,898 us, the eager step 40.67 -> 40.48 ms (medians of 10 single steps after idle, alternating in one
 // process).
+// At the decode batches (8-64 tokens, the wg32 kernels) they are not issue-bound: dev builds with a part left out
+// (fifty-ninth session, whole expert calls, BENCHMARKS.md) took 7% less without the NVFP4 decode (30% of the N = 8
+// unit loop's instructions), nothing less without the MMAs, 11-19% less without the weight loads and 31-35% less
+// without loads and decode: each unit's arrival, decode and MMAs run one after the other, beside a large fixed rest.
+// Stages released in pairs (one barrier per two units) took those calls -3% .. +0.5%: not kept.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
