@@ -41,7 +41,12 @@
 // (fifty-ninth session, whole expert calls, BENCHMARKS.md) took 7% less without the NVFP4 decode (30% of the N = 8
 // unit loop's instructions), nothing less without the MMAs, 11-19% less without the weight loads and 31-35% less
 // without loads and decode: each unit's arrival, decode and MMAs run one after the other, beside a large fixed rest.
-// Stages released in pairs (one barrier per two units) took those calls -3% .. +0.5%: not kept.
+// Stages released in pairs (one barrier per two units) took those calls -3% .. +0.5%: not kept. Clock stamps in each
+// unit (sixtieth session) place that rest outside the loop: inside a CTA the weights stream at 71-74% of the copy
+// rate, but the SMs' two CTA slots hold mainloops for only 60-75% of a launch (setup, first-stage latency, CTAs
+// rounding up to whole rounds of the slots). Half units decoded under the other half's MMAs, an activation-loader
+// warp handing stages over by mbarriers, and descriptors stepped by 64-bit adds (6% fewer loop instructions) all lost
+// or tied (BENCHMARKS.md).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
