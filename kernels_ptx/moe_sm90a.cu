@@ -44,9 +44,10 @@
 // Stages released in pairs (one barrier per two units) took those calls -3% .. +0.5%: not kept. Clock stamps in each
 // unit (sixtieth session) place that rest outside the loop: inside a CTA the weights stream at 71-74% of the copy
 // rate, but the SMs' two CTA slots hold mainloops for only 60-75% of a launch (setup, first-stage latency, CTAs
-// rounding up to whole rounds of the slots). Half units decoded under the other half's MMAs, an activation-loader
-// warp handing stages over by mbarriers, and descriptors stepped by 64-bit adds (6% fewer loop instructions) all lost
-// or tied (BENCHMARKS.md).
+// rounding up to whole rounds of the slots; 2.6-2.9 us from a CTA's entry to its loop). Half units decoded under the
+// other half's MMAs, an activation-loader warp handing stages over by mbarriers, descriptors stepped by 64-bit adds
+// (6% fewer loop instructions) and the first weight copies issued ahead of the setup's loads all lost or tied
+// (BENCHMARKS.md).
 #include <cuda_bf16.h>
 #include <stdint.h>
 
