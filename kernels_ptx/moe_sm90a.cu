@@ -42,8 +42,8 @@
 // unit loop's instructions), nothing less without the MMAs, 11-19% less without the weight loads and 31-35% less
 // without loads and decode: each unit's arrival, decode and MMAs run one after the other, beside a large fixed rest.
 // Stages released in pairs (one barrier per two units) took those calls -3% .. +0.5%: not kept. Clock stamps in each
-// unit (sixtieth session) place that rest outside the loop: inside a CTA the weights stream at 71-74% of the copy
-// rate, but the SMs' two CTA slots hold mainloops for only 60-75% of a launch (setup, first-stage latency, CTAs
+// unit (sixtieth session) place most of that rest outside the loop: inside a CTA the weights stream at 71-74% of the
+// copy rate, but the SMs' two CTA slots hold mainloops for only 60-75% of a launch (setup, first-stage latency, CTAs
 // rounding up to whole rounds of the slots; 2.6-2.9 us from a CTA's entry to its loop). Half units decoded under the
 // other half's MMAs, an activation-loader warp handing stages over by mbarriers, descriptors stepped by 64-bit adds
 // (6% fewer loop instructions) and the first weight copies issued ahead of the setup's loads all lost or tied
